@@ -1,0 +1,248 @@
+"""Balanced partition of a global batch into micro-batches, packing of a micro-batch into one row
+(with the zig-zag split over a sequence-parallel group), and the inverse for per-token outputs.
+
+Partition (`plan_micro_batches`): find the smallest number k of micro-batches per dp rank such
+that dp_size*k bins, balanced by Karmarkar-Karp largest differencing, each fit `capacity` padded
+tokens; then hand the bins to ranks (exactly k each) with Karmarkar-Karp under an equal-count
+constraint so that per-rank token totals are balanced too. Everything is deterministic.
+"""
+import heapq
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+
+@dataclass
+class MicroBatch:
+    data: dict[str, Tensor]  # 1-D tensors of the local length T, incl. position_ids
+    cu_seqlens: Tensor  # int32 (n_seqs+1,), local boundaries (same on every rank of an sp group)
+    max_seqlen: int  # max local sequence length
+    indices: list[int] = field(default_factory=list)  # index of each sequence in the global list
+    lengths: list[int] = field(default_factory=list)  # original (unpadded) length of each sequence
+
+    @property
+    def is_dummy(self) -> bool:
+        """A zero-weight filler micro-batch (no real sequences)."""
+        return not self.indices
+
+    def to(self, device) -> "MicroBatch":
+        return MicroBatch(
+            {k: v.to(device) for k, v in self.data.items()}, self.cu_seqlens.to(device),
+            self.max_seqlen, list(self.indices), list(self.lengths),
+        )
+
+
+def pad_unit(sp_size: int = 1, pad_multiple: int = 1) -> int:
+    """Every sequence is padded to a multiple of this (2*sp chunks for the zig-zag split)."""
+    return math.lcm(2 * sp_size, pad_multiple) if sp_size > 1 else pad_multiple
+
+
+def padded_length(length: int, sp_size: int = 1, pad_multiple: int = 1) -> int:
+    """Length of a sequence after padding for `pack` (before the sp split)."""
+    unit = pad_unit(sp_size, pad_multiple)
+    return -(-length // unit) * unit
+
+
+# ---------------------------------------------------------------- partition
+# A KK "state" is a list of parts, sorted by total descending; a part is (total, items).
+
+
+def _kk_merge(a: list, b: list, n_parts: int) -> list:
+    """Combine two partial partitions: a's heaviest part with b's lightest, and so on.
+
+    Parts missing from a state are empty; only non-empty results are kept, so a state costs
+    O(non-empty parts), not O(n_parts).
+    """
+    merged = []
+    for j in range(n_parts):
+        pa = a[j] if j < len(a) else None
+        jb = n_parts - 1 - j  # b's j-th lightest part is its (n_parts-1-j)-th heaviest
+        pb = b[jb] if jb < len(b) else None
+        if pa is None and pb is None:
+            continue
+        if pa is None:
+            merged.append(pb)
+        elif pb is None:
+            merged.append(pa)
+        else:
+            merged.append((pa[0] + pb[0], pa[1] + pb[1]))
+    # Ties broken by the items so equal inputs always give the same result.
+    merged.sort(key=lambda p: (-p[0], p[1]))
+    return merged
+
+
+def _spread(state: list, n_parts: int) -> int:
+    """Max minus min part total (an absent part counts as 0)."""
+    return state[0][0] - (state[-1][0] if len(state) == n_parts else 0)
+
+
+def karmarkar_karp(states: list[list], n_parts: int) -> list[tuple[int, list]]:
+    """Largest differencing: repeatedly merge the two states with the largest spread.
+
+    `states` are initial partial partitions (each a list of (total, items) parts). Returns
+    exactly `n_parts` parts (some possibly empty), heaviest first.
+    """
+    heap = [(-_spread(s, n_parts), i, s) for i, s in enumerate(states)]
+    heapq.heapify(heap)
+    counter = len(heap)
+    while len(heap) > 1:
+        _, _, a = heapq.heappop(heap)
+        _, _, b = heapq.heappop(heap)
+        m = _kk_merge(a, b, n_parts)
+        heapq.heappush(heap, (-_spread(m, n_parts), counter, m))
+        counter += 1
+    parts = heap[0][2] if heap else []
+    return parts + [(0, [])] * (n_parts - len(parts))
+
+
+def _units(lengths, groups, sp_size, pad_multiple):
+    """Items to place: groups (kept together) and the remaining single samples."""
+    owner = {}
+    for g, members in enumerate(groups or []):
+        for i in members:
+            if not 0 <= i < len(lengths):
+                raise ValueError(f"group {g} names sample {i}, but there are {len(lengths)} samples")
+            if i in owner:
+                raise ValueError(f"sample {i} is in groups {owner[i]} and {g}")
+            owner[i] = g
+    units = [sorted(members) for members in (groups or []) if members]
+    units += [[i] for i in range(len(lengths)) if i not in owner]
+    return [(sum(padded_length(lengths[i], sp_size, pad_multiple) for i in u), u) for u in units]
+
+
+def plan_micro_batches(lengths: list[int], dp_size: int, capacity: int,
+                       groups: list[list[int]] | None = None, sp_size: int = 1,
+                       pad_multiple: int = 1) -> list[list[list[int]]]:
+    """Partition samples into micro-batches: result[dp_rank][micro_batch] = sample indices.
+
+    Every rank gets the same number k of micro-batches (some may be empty); each holds at most
+    `capacity` tokens counted with `padded_length(L, sp_size, pad_multiple)`; samples in one of
+    `groups` stay in the same micro-batch, in the given order. No samples -> k = 0.
+    """
+    if dp_size < 1 or capacity < 1:
+        raise ValueError(f"dp_size ({dp_size}) and capacity ({capacity}) must be positive")
+    units = _units(lengths, groups, sp_size, pad_multiple)
+    for weight, members in units:
+        if weight > capacity:
+            what = f"sample {members[0]}" if len(members) == 1 else f"group of samples {members}"
+            raise ValueError(
+                f"{what} has length {[lengths[i] for i in members]} ({weight} tokens after "
+                f"padding) > micro-batch capacity {capacity}; raise max_length_per_device or "
+                "lower the data max_length"
+            )
+    if not units:
+        return [[] for _ in range(dp_size)]
+    # Heaviest first, ties by index: the KK input order (and so the result) is deterministic.
+    units.sort(key=lambda u: (-u[0], u[1]))
+    total = sum(w for w, _ in units)
+    k = max(1, -(-total // (dp_size * capacity)))
+    while True:
+        n_bins = dp_size * k
+        bins = karmarkar_karp([[(w, [tuple(u)])] for w, u in units], n_bins)
+        if bins[0][0] <= capacity:
+            break
+        k += 1  # terminates: with n_bins >= len(units) every unit gets its own bin
+    return _bins_to_ranks(bins, dp_size, k)
+
+
+def _bins_to_ranks(bins, dp_size: int, k: int) -> list[list[list[int]]]:
+    """Give each rank exactly k bins with balanced totals: KK over chunks of dp_size bins (each
+    chunk contributes one bin to every rank, so counts stay equal)."""
+    bins = sorted(bins, key=lambda b: (-b[0], b[1]))
+    states = []
+    for c in range(k):
+        chunk = bins[c * dp_size:(c + 1) * dp_size]
+        states.append([(w, [units]) for w, units in chunk])  # one bin per rank
+    ranks = karmarkar_karp(states, dp_size)
+    # Rank order and micro-batch order do not matter; fix them for determinism.
+    plan = []
+    for _, rank_bins in sorted(ranks, key=lambda r: r[1]):
+        mbs = [[i for unit in sorted(units) for i in unit] for units in rank_bins]
+        plan.append(sorted(mbs, key=lambda mb: (-len(mb), mb)))
+    return plan
+
+
+# ---------------------------------------------------------------- pack / unpack
+
+
+def _zigzag(t: Tensor, sp_size: int, sp_rank: int) -> Tensor:
+    """Keep chunks sp_rank and 2*sp-1-sp_rank of a padded sequence (balances causal work)."""
+    chunks = t.chunk(2 * sp_size)
+    return torch.cat([chunks[sp_rank], chunks[2 * sp_size - 1 - sp_rank]])
+
+
+def pack(samples: list[dict], indices: list[int], sp_size: int = 1, sp_rank: int = 0,
+         pad_multiple: int = 1) -> MicroBatch:
+    """Concatenate samples[indices] into one row; pad per sequence and zig-zag split over sp.
+
+    Padding: 0 for every tensor; position_ids keep counting into the padding. An empty `indices`
+    gives a dummy micro-batch: one padded sequence whose tensors (float keys included) are 0.
+    """
+    if not 0 <= sp_rank < sp_size:
+        raise ValueError(f"sp_rank {sp_rank} not in [0, sp_size={sp_size})")
+    seqs = [samples[i] for i in indices]
+    if seqs:
+        keys = list(seqs[0])
+        for i, s in zip(indices, seqs):
+            if list(s) != keys:
+                raise ValueError(f"sample {i} has keys {list(s)}, expected {keys}")
+        lengths = [len(s["input_ids"]) for s in seqs]
+    else:  # dummy: the keys (and dtypes) of any sample, all zeros
+        template = samples[0] if samples else {
+            "input_ids": torch.zeros(1, dtype=torch.long),
+            "labels": torch.zeros(1, dtype=torch.long),
+            "action_mask": torch.zeros(1),
+        }
+        keys = list(template)
+        seqs = [{k: torch.zeros(1, dtype=template[k].dtype) for k in keys}]
+        lengths = [1]
+    parts = {k: [] for k in keys + ["position_ids"]}
+    local_lens = []
+    for s, n in zip(seqs, lengths):
+        n_pad = padded_length(n, sp_size, pad_multiple)
+        padded = {k: torch.nn.functional.pad(s[k], (0, n_pad - n)) for k in keys}
+        padded["position_ids"] = torch.arange(n_pad, dtype=torch.long)
+        for k, v in padded.items():
+            parts[k].append(_zigzag(v, sp_size, sp_rank) if sp_size > 1 else v)
+        local_lens.append(n_pad // sp_size)
+    cu = torch.zeros(len(local_lens) + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(torch.tensor(local_lens), 0)
+    data = {k: torch.cat(v) for k, v in parts.items()}
+    real = bool(indices)
+    return MicroBatch(data, cu, max(local_lens), list(indices) if real else [],
+                      lengths if real else [])
+
+
+def unpack(mb: MicroBatch, local: Tensor, sp_group=None) -> list[Tensor]:
+    """Per-sequence outputs (e.g. log-probs) from a packed per-token output.
+
+    With an sp group (size > 1), gathers the local outputs of every rank (no autograd), undoes
+    the zig-zag, and strips padding. Returns one tensor of length lengths[i] per sequence
+    (an empty list for a dummy micro-batch). Extra trailing dims of `local` are kept.
+    """
+    sp_size = dist.get_world_size(sp_group) if sp_group is not None else 1
+    if sp_size > 1:
+        local = local.detach().contiguous()
+        gathered = [torch.empty_like(local) for _ in range(sp_size)]
+        dist.all_gather(gathered, local, group=sp_group)
+    else:
+        gathered = [local]
+    cu = mb.cu_seqlens.tolist()
+    out = []
+    for j, n in enumerate(mb.lengths):
+        start, end = cu[j], cu[j + 1]
+        half = (end - start) // 2
+        if sp_size == 1:
+            full = gathered[0][start:end]
+        else:
+            # Rank r holds chunk r then chunk 2*sp-1-r of the padded sequence.
+            chunks = [None] * (2 * sp_size)
+            for r, g in enumerate(gathered):
+                chunks[r] = g[start:start + half]
+                chunks[2 * sp_size - 1 - r] = g[start + half:end]
+            full = torch.cat(chunks)
+        out.append(full[:n])
+    return out

@@ -1,0 +1,67 @@
+"""Applies FSDP2, activation checkpointing and the whole parallelisation plan to an HF model.
+
+Order (torchtitan style): tensor parallel -> activation checkpointing -> FSDP2.
+"""
+import logging
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+
+from RL2.parallel.mesh import ParallelDims
+
+logger = logging.getLogger(__name__)
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The transformer blocks of an HF decoder (CausalLM or TokenClassification)."""
+    base = getattr(model, model.base_model_prefix, model)
+    layers = getattr(base, "layers", None)
+    if layers is None:
+        raise ValueError(f"cannot find decoder layers in {type(model).__name__}")
+    return list(layers)
+
+
+def apply_activation_checkpointing(model: nn.Module):
+    """Recompute each decoder layer in backward (HF's own mechanism; non-reentrant)."""
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    logger.info("Applied activation checkpointing to the model")
+
+
+def apply_fsdp(model: nn.Module, dims: ParallelDims, param_dtype: torch.dtype,
+               offload_params: bool = False, reshard_after_forward: bool = True):
+    """Shard with FSDP2.
+
+    Steps:
+    1. each decoder layer is its own FSDP unit (all-gathered just in time);
+    2. the root unit keeps embeddings, final norm and the head together, so a tied
+       embedding / lm_head stays one parameter;
+    3. gradients are SUMMED over the data-parallel ranks (divide factor 1): losses are already
+       normalised by global token / sequence counts, so averaging would divide twice.
+    """
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    kw = dict(mesh=dims.fsdp_mesh, mp_policy=mp)
+    if offload_params:
+        kw["offload_policy"] = CPUOffloadPolicy()
+    for layer in decoder_layers(model):
+        fully_shard(layer, reshard_after_forward=reshard_after_forward, **kw)
+    fully_shard(model, reshard_after_forward=reshard_after_forward, **kw)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+    kind = "HSDP" if dims.ddp > 1 else "FSDP"
+    logger.info(f"Applied {kind} to the model (ddp={dims.ddp}, fsdp={dims.fsdp})")
+
+
+def parallelize(model: nn.Module, dims: ParallelDims, *, param_dtype: torch.dtype,
+                gradient_checkpointing: bool = False, offload_params: bool = False):
+    """The one place that decides how a model is parallelised."""
+    if dims.tp > 1:
+        from RL2.parallel.tensor_parallel import apply_tp, validate_tp
+
+        validate_tp(model.config, dims.tp)
+        apply_tp(model, dims.tp_mesh)
+    if gradient_checkpointing:
+        apply_activation_checkpointing(model)
+    apply_fsdp(model, dims, param_dtype, offload_params)
+    return model

@@ -1,0 +1,256 @@
+"""Applies DTensor tensor parallelism (Megatron-style TP) to HF Qwen2/Qwen3/Llama/Mistral models.
+
+Also: log-probs / entropy from vocab-sharded logits, and gradient clipping across meshes.
+"""
+import logging
+import math
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama", "mistral")
+
+# Per-decoder-layer plan, keyed by module path inside `model.layers[i]`. Column-parallel
+# projections leave their output sharded on the head / hidden dim; the row-parallel ones consume
+# that shard and all-reduce, so each block costs one all-reduce in forward and one in backward.
+LAYER_PLAN = {
+    "self_attn.q_proj": ColwiseParallel(),
+    "self_attn.k_proj": ColwiseParallel(),
+    "self_attn.v_proj": ColwiseParallel(),
+    "self_attn.o_proj": RowwiseParallel(),
+    "mlp.gate_proj": ColwiseParallel(),
+    "mlp.up_proj": ColwiseParallel(),
+    "mlp.down_proj": RowwiseParallel(),
+}
+
+# Logits/log-prob work is done in token chunks of about this many local-vocab elements.
+_CHUNK_ELEMENTS = 1 << 24
+
+
+def validate_tp(config, tp_size: int) -> bool:
+    """Check that `config` can be split over `tp_size` ranks.
+
+    Steps:
+    1. the architecture must be one whose plan is known (Qwen2, Qwen3, Llama, Mistral);
+    2. attention heads, key/value heads and the MLP width must be divisible by tp_size;
+    3. the vocabulary: if divisible, embeddings and lm_head are vocab-parallel; otherwise they stay
+       replicated (logged) — correct, only less memory-efficient.
+    Returns True when the vocabulary will be sharded.
+    """
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"tensor parallelism supports model_type in {SUPPORTED_MODEL_TYPES}, got {model_type!r}; "
+            f"set tp_size=1 for this model")
+    for key in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+        value = getattr(config, key)
+        if value % tp_size:
+            raise ValueError(f"{key}={value} is not divisible by tp_size={tp_size}")
+    vocab_parallel = config.vocab_size % tp_size == 0
+    if not vocab_parallel:
+        logger.warning(
+            f"vocab_size={config.vocab_size} is not divisible by tp_size={tp_size}: "
+            f"keeping embeddings and lm_head replicated")
+    return vocab_parallel
+
+
+def apply_tp(model: nn.Module, tp_mesh):
+    """Shard an HF decoder (CausalLM or TokenClassification) over the 1-D `tp_mesh`.
+
+    Steps:
+    1. validate the config (raises on unsupported architectures / indivisible sizes);
+    2. each decoder layer: column-parallel q/k/v/gate/up, row-parallel o/down (`LAYER_PLAN`);
+       HF attention reshapes with -1 heads, so local head counts need no patch;
+    3. causal LMs with a divisible vocabulary: row-parallel (vocab-sharded) embeddings and a
+       vocab-parallel lm_head whose logits stay a DTensor sharded on the last dim
+       (consume them with `logps_and_entropy`); tied weights are re-tied to one DTensor,
+       possible because both are sharded on the vocab dim (Shard(0));
+    4. everything else (norms, rotary, a value/score head) stays replicated.
+    """
+    tp_size = tp_mesh.size()
+    vocab_parallel = validate_tp(model.config, tp_size)
+    base = getattr(model, model.base_model_prefix, model)
+    for layer in base.layers:
+        parallelize_module(layer, tp_mesh, LAYER_PLAN)
+        _localize_head_counts(layer.self_attn, tp_size)
+
+    lm_head = getattr(model, "lm_head", None)
+    if vocab_parallel and lm_head is not None:
+        embed = base.embed_tokens
+        tied = lm_head.weight is embed.weight
+        prefix = "" if base is model else f"{model.base_model_prefix}."
+        parallelize_module(model, tp_mesh, {
+            # Masked local lookup, then all-reduce: the output is an ordinary replicated tensor.
+            f"{prefix}embed_tokens": RowwiseParallel(input_layouts=Replicate()),
+            "lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False),
+        })
+        if tied:
+            model.lm_head.weight = base.embed_tokens.weight
+    logger.info(f"Applied tensor parallelism to the model (tp={tp_size}, "
+                f"vocab_parallel={vocab_parallel and lm_head is not None})")
+    return model
+
+
+def _localize_head_counts(attn: nn.Module, tp_size: int):
+    """Divide head-count attributes, for attention classes that reshape with them (transformers
+    5.23's Qwen2/Qwen3/Llama/Mistral use -1 and keep none; num_key_value_groups is a ratio)."""
+    for name in ("num_heads", "num_attention_heads", "num_key_value_heads"):
+        if isinstance(getattr(attn, name, None), int):
+            setattr(attn, name, getattr(attn, name) // tp_size)
+
+
+def logps_and_entropy(logits, labels: torch.Tensor, temperature: float = 1.0,
+                      need_entropy: bool = False):
+    """Log-probs of `labels` under softmax(logits / temperature), and optionally the entropy.
+
+    `logits` (..., V) is a plain tensor or a DTensor sharded on the vocab dim (Shard(-1)) over one
+    mesh dim (other mesh dims replicated). Each rank works on its local vocab shard only; the
+    log-sum-exp, the label logit and sum(p*z) are all-reduced over the shard group. `labels`
+    (...) are global vocab ids. Returns (logps (...), entropy (...) or None) as plain tensors,
+    differentiable w.r.t. `logits`.
+    """
+    group, vocab_start = None, 0
+    if isinstance(logits, DTensor):
+        group, vocab_start = _vocab_shard_group(logits)
+        logits = logits.to_local()  # autograd-aware: gradients return as the same DTensor layout
+    shape = logits.shape[:-1]
+    local = logits.reshape(-1, logits.shape[-1])
+    logps, entropy = _VocabParallelLogps.apply(
+        local, labels.reshape(-1), vocab_start, group, float(temperature), need_entropy)
+    return logps.view(shape), (entropy.view(shape) if need_entropy else None)
+
+
+def _vocab_shard_group(logits: DTensor):
+    """The process group the vocab dim is sharded over, and this rank's first vocab id."""
+    mesh, sharded = logits.device_mesh, []
+    for dim, placement in enumerate(logits.placements):
+        if isinstance(placement, Partial):
+            raise ValueError("logits must not be Partial; redistribute them to Shard(-1) first")
+        if placement.is_shard():
+            if placement.dim not in (-1, logits.ndim - 1):
+                raise ValueError(f"logits must be sharded on the vocab dim, got {logits.placements}")
+            sharded.append(dim)
+    if not sharded:
+        return None, 0
+    if len(sharded) > 1:
+        raise ValueError(f"logits sharded over several mesh dims: {logits.placements}")
+    dim = sharded[0]
+    # torch.chunk semantics: every rank but the last holds ceil(V / n) columns.
+    chunk = math.ceil(logits.shape[-1] / mesh.size(dim))
+    return mesh.get_group(dim), mesh.get_local_rank(dim) * chunk
+
+
+class _VocabParallelLogps(torch.autograd.Function):
+    """Exact log-softmax statistics over a vocab split across ranks, with an analytic backward.
+
+    Forward (per token chunk, z = local logits / T): local max -> all-reduce MAX; then
+    [sum exp(z - m), z[label] (0 if another rank owns it), sum exp(z - m) * z] -> all-reduce SUM.
+    Backward needs no communication: with p = exp(z - lse), E[z] = lse - H,
+      dlogp/dz = onehot - p,  dH/dz = p * (E[z] - z).
+    The outputs are identical on all ranks and every rank computes the same loss from them, so
+    each rank's upstream gradient is already the full one (the all-reduce's backward is identity).
+    """
+
+    @staticmethod
+    def forward(ctx, local, labels, vocab_start, group, temperature, need_entropy):
+        n_tok, v_local = local.shape
+        dtype = torch.promote_types(local.dtype, torch.float32)
+        rows = max(1, _CHUNK_ELEMENTS // max(v_local, 1))
+        in_shard = (labels >= vocab_start) & (labels < vocab_start + v_local)
+        local_idx = torch.where(in_shard, labels - vocab_start, 0)
+
+        maxes = torch.empty(n_tok, dtype=dtype, device=local.device)
+        for s in range(0, n_tok, rows):
+            maxes[s:s + rows] = (local[s:s + rows].to(dtype) / temperature).amax(-1)
+        _all_reduce(maxes, dist.ReduceOp.MAX, group)
+
+        sums = torch.empty(3 if need_entropy else 2, n_tok, dtype=dtype, device=local.device)
+        for s in range(0, n_tok, rows):
+            z = local[s:s + rows].to(dtype) / temperature
+            e = torch.exp(z - maxes[s:s + rows, None])
+            sums[0, s:s + rows] = e.sum(-1)
+            label_z = z.gather(-1, local_idx[s:s + rows, None]).squeeze(-1)
+            sums[1, s:s + rows] = torch.where(in_shard[s:s + rows], label_z, 0)
+            if need_entropy:
+                sums[2, s:s + rows] = (e * z).sum(-1)
+        _all_reduce(sums, dist.ReduceOp.SUM, group)
+
+        lse = maxes + sums[0].log()
+        logps = sums[1] - lse
+        entropy = lse - sums[2] / sums[0] if need_entropy else torch.zeros_like(lse)
+        ctx.save_for_backward(local, local_idx, in_shard, lse, entropy)
+        ctx.temperature, ctx.rows, ctx.need_entropy = temperature, rows, need_entropy
+        if not need_entropy:
+            ctx.mark_non_differentiable(entropy)
+        return logps, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logps, grad_entropy):
+        local, local_idx, in_shard, lse, entropy = ctx.saved_tensors
+        t, rows = ctx.temperature, ctx.rows
+        dtype = lse.dtype
+        grad = torch.empty_like(local)
+        use_entropy = ctx.need_entropy and grad_entropy is not None
+        g_lp = grad_logps if grad_logps is not None else torch.zeros_like(lse)
+        mean_z = lse - entropy
+        for s in range(0, local.shape[0], rows):
+            sl = slice(s, s + rows)
+            z = local[sl].to(dtype) / t
+            p = torch.exp(z - lse[sl, None])
+            g = -g_lp[sl, None] * p
+            g.scatter_add_(-1, local_idx[sl, None], (g_lp[sl] * in_shard[sl])[:, None])
+            if use_entropy:
+                g += grad_entropy[sl, None] * p * (mean_z[sl, None] - z)
+            grad[sl] = (g / t).to(local.dtype)
+        return grad, None, None, None, None, None
+
+
+def _all_reduce(tensor: torch.Tensor, op, group):
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(tensor, op=op, group=group)
+
+
+@torch.no_grad()
+def grad_norm_and_clip(params, max_norm: float | None) -> float:
+    """Total L2 norm of the gradients of `params` (any mix of meshes / placements), then clip.
+
+    Steps:
+    1. per gradient, the squared L2 norm of the local shard (Partial grads are first reduced);
+    2. sum these per set of process groups the gradient is sharded over (replicated mesh dims
+       hold copies and are not reduced; plain tensors are treated as replicated);
+    3. all-reduce each sum over its groups, add up: every rank gets the same total;
+    4. if max_norm > 0 and the norm is finite, scale every gradient by min(1, max_norm / norm).
+    A non-finite norm leaves gradients untouched; callers should skip the optimizer step.
+    """
+    grads = [p.grad for p in params if p.grad is not None]
+    buckets: dict[tuple, torch.Tensor] = {}
+    for g in grads:
+        groups = ()
+        if isinstance(g, DTensor):
+            if any(isinstance(pl, Partial) for pl in g.placements):
+                g = g.redistribute(placements=[Replicate() if isinstance(pl, Partial) else pl
+                                               for pl in g.placements])
+            mesh = g.device_mesh
+            groups = tuple(mesh.get_group(d) for d, pl in enumerate(g.placements)
+                           if pl.is_shard() and mesh.size(d) > 1)
+            g = g.to_local()
+        sq = g.to(torch.promote_types(g.dtype, torch.float32)).pow(2).sum().to(torch.float64)
+        # Insertion order is the parameter order, the same on every rank: collectives line up.
+        buckets[groups] = buckets.get(groups, 0) + sq
+    total = 0.0
+    for groups, sq in buckets.items():
+        for group in groups:
+            dist.all_reduce(sq, group=group)
+        total += sq.item()
+    norm = math.sqrt(total)
+    if max_norm is not None and max_norm > 0 and math.isfinite(norm):
+        coef = max_norm / (norm + 1e-6)
+        if coef < 1.0:
+            for g in grads:
+                g.mul_(coef)
+    return norm

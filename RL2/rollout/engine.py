@@ -1,0 +1,99 @@
+"""Rollout engine interface: sampling parameters, outputs, the `Engine` ABC and `make_engine`.
+
+Backends: `torch` (embedded PyTorch engine, any device, in `torch_engine.py`) and `sglang`
+(optional GPU extra, `sglang_engine.py`). Both are imported lazily so that this module never
+pulls in a backend the caller does not use.
+"""
+import importlib.util
+import logging
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Iterable
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+FINISH_REASONS = ("stop", "length", "abort")
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 1.0      # 0 means greedy decoding
+    top_p: float = 1.0            # nucleus sampling mass, in (0, 1]
+    top_k: int = -1               # keep the k most likely tokens; -1 (or 0) disables
+    max_new_tokens: int = 128     # >= 1
+    stop: list[str] = field(default_factory=list)            # stop strings (decoded text)
+    stop_token_ids: list[int] = field(default_factory=list)  # in addition to the tokenizer eos
+    n: int = 1                    # samples per prompt
+    seed: int | None = None       # per-request seed; sample i of n uses a seed derived from (seed, i)
+
+    def validate(self) -> None:
+        """Raise ValueError naming the offending field."""
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if int(self.top_k) != self.top_k or self.top_k < -1:
+            raise ValueError(f"top_k must be an int >= -1 (-1 or 0 disables), got {self.top_k}")
+        if int(self.max_new_tokens) != self.max_new_tokens or self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an int >= 1, got {self.max_new_tokens}")
+        if int(self.n) != self.n or self.n < 1:
+            raise ValueError(f"n must be an int >= 1, got {self.n}")
+        if isinstance(self.stop, str) or any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")
+
+
+@dataclass
+class GenerationOutput:
+    token_ids: list[int]          # generated tokens (stop token / stop string included)
+    logprobs: list[float]         # log_softmax(logits / T) of each token, before top-p/top-k
+    finish_reason: str            # "stop" | "length" | "abort"
+
+
+class Engine(ABC):
+    """A generation backend shared by many concurrent asyncio callers (one event loop)."""
+
+    @abstractmethod
+    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> list[GenerationOutput]:
+        """Generate `params.n` continuations of `prompt_ids` (a list of length n)."""
+
+    @abstractmethod
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load full (unsharded) tensors keyed by HF parameter names."""
+
+    @abstractmethod
+    def release_memory(self) -> None:
+        """Free generation memory (KV cache, optionally weights) while training runs."""
+
+    @abstractmethod
+    def resume_memory(self) -> None:
+        """Undo `release_memory`."""
+
+    @abstractmethod
+    def shutdown(self) -> None:
+        """Abort pending requests and free everything."""
+
+
+def _sglang_usable() -> bool:
+    return importlib.util.find_spec("sglang") is not None and torch.cuda.is_available()
+
+
+def make_engine(kind: str, model_path, tokenizer, **kw) -> Engine:
+    """Build an engine. kind: "auto" (sglang when importable and CUDA is available, else torch),
+    "torch" or "sglang". `model_path` is an HF directory (the torch engine also takes an
+    nn.Module); `kw` goes to the backend constructor."""
+    if kind == "auto":
+        kind = "sglang" if _sglang_usable() else "torch"
+        logger.info("make_engine(auto): using the %s engine", kind)
+    if kind == "torch":
+        from RL2.rollout.torch_engine import TorchEngine
+        return TorchEngine(model_path, tokenizer, **kw)
+    if kind == "sglang":
+        if importlib.util.find_spec("sglang") is None:
+            raise ImportError(
+                "engine 'sglang' needs the optional SGLang extra (GPU only), which is not "
+                "installed; install it in its own environment or use engine=torch")
+        from RL2.rollout.sglang_engine import SGLangEngine
+        return SGLangEngine(model_path, tokenizer, **kw)
+    raise ValueError(f"unknown engine kind {kind!r}; expected 'auto', 'torch' or 'sglang'")

@@ -1,0 +1,225 @@
+"""Loading user environments (a Python script given by path) and calling them safely.
+
+An environment script defines (see "Environment contract" in the README):
+
+    [async] def step(state: str, action: str, extra_info: dict) -> dict   # required
+        # -> {"next_state": str | None, "reward": float, "done": bool,
+        #     "score": float (optional, defaults to reward),
+        #     "extra_info": dict (optional, defaults to the input extra_info)}
+    [async] def reset(extra_info: dict) -> str | (str, dict)    # optional: initial state when a
+                                                                # prompt row has none
+    [async] def close(extra_info: dict) -> None                 # optional: called once when a
+                                                                # trajectory ends (even on failure)
+    def configure(**env_args) -> None                           # optional: called once at load
+
+`env_args` (config `actor.rollout.env_args`) reach the script in two ways: `configure(**env_args)`
+is called once at load time if the script defines it, and every trajectory's `extra_info` starts
+as `{**env_args, **row_extra_info, "uid": uid}` (values in the prompt row win).
+
+Timeouts (`timeout` seconds, None or <= 0 disables) really fire for both kinds of hook:
+- async hooks run on the caller's event loop under `asyncio.wait_for`; they must not block the
+  loop (use `asyncio.to_thread` for blocking work inside them).
+- sync hooks run in a fresh *daemon* thread per call, awaited with `asyncio.wait_for`. A sync call
+  cannot be interrupted: on timeout its thread is ABANDONED (it keeps running in the background
+  until it returns, its result is dropped). Daemon threads never block interpreter exit, unlike
+  the default executor used by `asyncio.to_thread`, whose workers are joined at exit and which a
+  few hung calls would exhaust. Sync hooks may run concurrently in several threads, so they must
+  be thread-safe (per-trajectory state keyed by `extra_info["uid"]` is the usual pattern).
+"""
+import asyncio
+import contextvars
+import hashlib
+import importlib.util
+import inspect
+import logging
+import math
+import sys
+import threading
+from pathlib import Path
+from typing import Any, Callable
+
+logger = logging.getLogger(__name__)
+
+
+class EnvError(RuntimeError):
+    """An environment misbehaved: bad script, malformed result, exception or timeout."""
+
+
+class EnvTimeout(EnvError):
+    """An environment hook did not return within the configured timeout."""
+
+
+def _is_async(fn: Callable) -> bool:
+    # inspect sees through functools.partial; callable objects expose an async __call__.
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
+
+
+async def _run_sync_in_daemon_thread(fn: Callable, *args) -> Any:
+    """Run a blocking call in its own daemon thread; the returned awaitable can be cancelled
+    (e.g. by wait_for) while the thread keeps running and its result is discarded."""
+    loop = asyncio.get_running_loop()
+    fut = loop.create_future()
+    ctx = contextvars.copy_context()
+
+    def deliver(result, exc):
+        if fut.done():  # cancelled by a timeout: nobody waits for this result any more
+            return
+        if exc is not None:
+            fut.set_exception(exc)
+        else:
+            fut.set_result(result)
+
+    def target():
+        try:
+            result, exc = ctx.run(fn, *args), None
+        except BaseException as e:  # delivered to the awaiting coroutine, not lost in the thread
+            result, exc = None, e
+        try:
+            loop.call_soon_threadsafe(deliver, result, exc)
+        except RuntimeError:  # the loop was closed while this abandoned call was running
+            pass
+
+    threading.Thread(target=target, daemon=True, name=f"rl2-env-{getattr(fn, '__name__', 'call')}").start()
+    return await fut
+
+
+class Env:
+    """A loaded environment script. Use `load_env` to build one."""
+
+    def __init__(self, module, path: str, env_args: dict | None = None, timeout: float | None = 60.0):
+        self.module = module
+        self.path = path
+        self.env_args = dict(env_args or {})
+        self.timeout = timeout if timeout and timeout > 0 else None
+        self._step = module.step
+        self._reset = getattr(module, "reset", None)
+        self._close = getattr(module, "close", None)
+
+    @property
+    def has_reset(self) -> bool:
+        return self._reset is not None
+
+    def initial_extra_info(self, row_extra_info: dict | None, uid: str) -> dict:
+        """The extra_info a trajectory starts with: env_args defaults, row values, then the uid."""
+        return {**self.env_args, **(row_extra_info or {}), "uid": uid}
+
+    async def _call(self, name: str, fn: Callable, *args) -> Any:
+        call = fn(*args) if _is_async(fn) else _run_sync_in_daemon_thread(fn, *args)
+        try:
+            return await asyncio.wait_for(call, self.timeout)
+        except asyncio.TimeoutError:
+            kind = "async" if _is_async(fn) else "sync (its thread is abandoned and keeps running)"
+            raise EnvTimeout(f"{name}() of env {self.path} timed out after {self.timeout}s [{kind}]") from None
+
+    async def reset(self, extra_info: dict) -> tuple[str, dict]:
+        """Initial state (and extra_info) of a trajectory whose prompt row has no prompt."""
+        if self._reset is None:
+            raise EnvError(f"env {self.path} defines no reset(), but a prompt row has no prompt")
+        out = await self._call("reset", self._reset, extra_info)
+        if isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], dict):
+            out, extra_info = out
+        if not isinstance(out, str):
+            raise EnvError(f"reset() of env {self.path} must return a str (or (str, dict)), "
+                           f"got {type(out).__name__}")
+        return out, extra_info
+
+    async def step(self, state: str, action: str, extra_info: dict) -> dict:
+        """Call the script's step and return a validated dict with all five keys."""
+        out = await self._call("step", self._step, state, action, extra_info)
+        return self._validate(out, extra_info)
+
+    async def close(self, extra_info: dict) -> None:
+        """Call the optional close hook; failures are logged, never raised."""
+        if self._close is None:
+            return
+        try:
+            await self._call("close", self._close, extra_info)
+        except Exception as e:
+            logger.warning("close() of env %s failed: %s", self.path, e)
+
+    def _validate(self, out: Any, extra_info: dict) -> dict:
+        where = f"step() of env {self.path}"
+        if not isinstance(out, dict):
+            raise EnvError(f"{where} must return a dict, got {type(out).__name__}")
+        for key in ("next_state", "reward", "done"):
+            if key not in out:
+                raise EnvError(f"{where} returned no '{key}' (keys: {sorted(out)})")
+        next_state, done = out["next_state"], out["done"]
+        if next_state is not None and not isinstance(next_state, str):
+            raise EnvError(f"{where}: 'next_state' must be a str or None, got {type(next_state).__name__}")
+        # numpy.bool_ is common in envs built on numpy; anything else (ints, strings) is a bug.
+        if not (isinstance(done, bool) or type(done).__name__ == "bool_"):
+            raise EnvError(f"{where}: 'done' must be a bool, got {type(done).__name__}")
+        done = bool(done)
+        if next_state is None and not done:
+            raise EnvError(f"{where}: 'next_state' is None but 'done' is False")
+        reward = self._number(out["reward"], "reward", where)
+        score = self._number(out["score"], "score", where) if out.get("score") is not None else reward
+        new_info = out.get("extra_info")
+        if new_info is None:
+            new_info = extra_info
+        elif not isinstance(new_info, dict):
+            raise EnvError(f"{where}: 'extra_info' must be a dict, got {type(new_info).__name__}")
+        return {"next_state": next_state, "reward": reward, "done": done, "score": score,
+                "extra_info": new_info}
+
+    @staticmethod
+    def _number(value: Any, key: str, where: str) -> float:
+        try:
+            x = float(value)
+        except (TypeError, ValueError):
+            raise EnvError(f"{where}: '{key}' must be a number, got {value!r}") from None
+        if not math.isfinite(x):  # a NaN/inf reward would silently poison every advantage
+            raise EnvError(f"{where}: '{key}' must be finite, got {x}")
+        return x
+
+
+def _import_script(path: Path):
+    # A unique module name per resolved path, registered in sys.modules so that dataclasses,
+    # pickling and relative imports inside the script behave as for a normal module.
+    digest = hashlib.sha1(str(path).encode()).hexdigest()[:10]
+    name = f"rl2_env_{path.stem}_{digest}"  # re-imported on every load: no stale module state
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise EnvError(f"env_path {path} is not an importable Python file")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except Exception as e:
+        del sys.modules[name]
+        raise EnvError(f"importing env_path {path} failed: {type(e).__name__}: {e}") from e
+    return module
+
+
+def load_env(env_path: str, env_args: dict | None = None, timeout: float | None = 60.0) -> Env:
+    """Import the environment script at `env_path` and check its hooks (at start-up, so that a
+    bad path fails before any model is loaded). `timeout` (seconds, None/<=0 disables) bounds
+    every reset/step/close call."""
+    if not env_path:
+        raise EnvError("no env_path given: set actor.rollout.env_path to an environment script")
+    path = Path(env_path).expanduser().resolve()
+    if not path.is_file():
+        raise EnvError(f"env_path {env_path} does not exist (resolved to {path})")
+    module = _import_script(path)
+    step = getattr(module, "step", None)
+    if step is None:
+        raise EnvError(f"env_path {env_path} defines no step(state, action, extra_info) function")
+    for hook in ("step", "reset", "close", "configure"):
+        fn = getattr(module, hook, None)
+        if fn is not None and not callable(fn):
+            raise EnvError(f"env_path {env_path}: '{hook}' must be callable, got {type(fn).__name__}")
+    env_args = dict(env_args or {})
+    configure = getattr(module, "configure", None)
+    if configure is not None:
+        try:
+            configure(**env_args)
+        except Exception as e:
+            raise EnvError(f"configure(**env_args) of env {env_path} failed: {type(e).__name__}: {e}") from e
+    env = Env(module, str(env_path), env_args, timeout)
+    logger.info("Loaded env %s (step: %s, reset: %s, timeout: %s)", env_path,
+                "async" if _is_async(step) else "sync", env.has_reset, env.timeout)
+    return env
+
+
+__all__ = ["Env", "EnvError", "EnvTimeout", "load_env"]

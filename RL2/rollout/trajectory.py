@@ -1,0 +1,197 @@
+"""One multi-turn trajectory: engine.generate <-> env.step, turned into training samples.
+
+Token-in, token-out: the engine continues from token ids, the generated ids are kept as they are
+(never re-tokenised) and only text produced by the environment is tokenised. When the new state
+extends `state + action` (compared as decoded text with special tokens kept), only the new suffix
+is tokenised and appended to the SAME sequence (environment tokens, action_mask 0); otherwise the
+sequence is closed and a new one starts from the tokenised next_state. Each sequence becomes one
+Sample in the DEV_SPEC layout (per-token tensors aligned to label positions).
+"""
+import dataclasses
+import json
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from RL2.rollout.env import Env
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Trajectory:
+    uid: str
+    prompt_text: str = ""
+    samples: list[dict[str, torch.Tensor]] = field(default_factory=list)  # one per sequence
+    reward: float = 0.0          # sum of turn rewards (what lands on the action tokens)
+    score: float = 0.0           # sum of turn scores (a metric; defaults to the rewards)
+    num_turns: int = 0           # number of generate calls
+    failed: bool = False         # an env hook raised, timed out or returned a malformed dict
+    error: str | None = None
+    truncated: bool = False      # stopped by max_turns / max_length before the env said done
+    turns: list[dict] = field(default_factory=list)   # per-turn record for the rollout JSONL
+    extra_info: dict = field(default_factory=dict)    # as after the last step
+
+    @property
+    def num_action_tokens(self) -> int:
+        return int(sum(s["action_mask"].sum().item() for s in self.samples))
+
+    def to_json(self) -> dict:
+        """A JSON-serialisable record (non-JSON values in extra_info become their repr)."""
+        record = {
+            "uid": self.uid, "prompt": self.prompt_text, "turns": self.turns,
+            "reward": self.reward, "score": self.score, "num_turns": self.num_turns,
+            "failed": self.failed, "error": self.error, "truncated": self.truncated,
+            "num_sequences": len(self.samples), "num_action_tokens": self.num_action_tokens,
+            "extra_info": self.extra_info,
+        }
+        return json.loads(json.dumps(record, default=repr))
+
+
+class _Sequence:
+    """Token ids of one growing sequence with per-token flags, indexed by token position."""
+
+    def __init__(self, ids: list[int]):
+        self.ids = list(ids)
+        self.is_action = [0.0] * len(ids)
+        self.logps = [0.0] * len(ids)
+        self.rewards = [0.0] * len(ids)
+
+    def add(self, ids: list[int], action: bool, logps: list[float] | None = None):
+        self.ids += ids
+        self.is_action += [1.0 if action else 0.0] * len(ids)
+        self.logps += list(logps) if logps is not None else [0.0] * len(ids)
+        self.rewards += [0.0] * len(ids)
+
+    def last_action_index(self) -> int | None:
+        for i in range(len(self.ids) - 1, -1, -1):
+            if self.is_action[i]:
+                return i
+        return None
+
+    def to_sample(self) -> dict[str, torch.Tensor]:
+        # Label-aligned: position t predicts ids[t+1], so every per-token flag shifts by one.
+        return {
+            "input_ids": torch.tensor(self.ids[:-1], dtype=torch.long),
+            "labels": torch.tensor(self.ids[1:], dtype=torch.long),
+            "action_mask": torch.tensor(self.is_action[1:], dtype=torch.float32),
+            "engine_logps": torch.tensor(self.logps[1:], dtype=torch.float32),
+            "rewards": torch.tensor(self.rewards[1:], dtype=torch.float32),
+        }
+
+
+def _encode(tokenizer, text: str) -> list[int]:
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def _decode(tokenizer, ids: list[int]) -> str:
+    return tokenizer.decode(ids, skip_special_tokens=False)
+
+
+def _turn_params(params, turn: int, room: int | None):
+    """One sample per call (each sample of a prompt is its own trajectory with its own env); a
+    distinct, reproducible seed per turn; max_new_tokens capped by the room left in the sequence."""
+    changes: dict[str, Any] = {}
+    if getattr(params, "n", 1) != 1:
+        changes["n"] = 1
+    if getattr(params, "seed", None) is not None:
+        changes["seed"] = (params.seed * 1_000_003 + turn) % (1 << 63)
+    if room is not None and params.max_new_tokens > room:
+        changes["max_new_tokens"] = room
+    return dataclasses.replace(params, **changes) if changes else params
+
+
+async def run_trajectory(engine, tokenizer, env: Env, prompt: dict, sampling_params, max_turns: int,
+                         uid: str, max_length: int | None = None) -> Trajectory:
+    """Run one trajectory. `prompt` has `prompt_ids` (list[int]) and `prompt_text` (str), or
+    neither (then `env.reset(extra_info)` gives the initial state), plus `extra_info` (dict).
+    `uid` must be unique per trajectory: it is put into extra_info["uid"] to key per-trajectory
+    env objects. `max_length` (optional) caps the tokens of any one sequence.
+
+    Environment failures (exception, timeout, malformed result) end the trajectory with
+    `failed=True` and never raise; the samples generated so far are kept. Engine errors propagate.
+    """
+    max_turns = max(1, int(max_turns))
+    extra_info = env.initial_extra_info(prompt.get("extra_info"), uid)
+    traj = Trajectory(uid=uid, extra_info=extra_info)
+    sequences: list[_Sequence] = []
+
+    def fail(where: str, e: Exception, record: dict | None = None):
+        traj.failed, traj.error = True, f"{where}: {type(e).__name__}: {e}"
+        if record is not None:
+            record["error"] = traj.error
+        logger.warning("trajectory %s failed in %s", uid, traj.error)
+
+    try:
+        if prompt.get("prompt_ids") is not None:
+            ids = list(prompt["prompt_ids"])
+            state = prompt.get("prompt_text")
+            if state is None:
+                state = _decode(tokenizer, ids)
+        else:
+            try:
+                state, extra_info = await env.reset(extra_info)
+            except Exception as e:
+                fail("reset", e)
+                return traj
+            extra_info = extra_info if "uid" in extra_info else {**extra_info, "uid": uid}
+            ids = _encode(tokenizer, state)
+        traj.prompt_text = state
+        seq = _Sequence(ids)
+        sequences.append(seq)
+
+        for turn in range(max_turns):
+            room = None if max_length is None else max_length - len(seq.ids)
+            if room is not None and room <= 0:
+                traj.truncated = True
+                break
+            out = (await engine.generate(list(seq.ids), _turn_params(sampling_params, turn, room)))[0]
+            if len(out.logprobs) != len(out.token_ids):
+                raise ValueError(f"engine returned {len(out.token_ids)} tokens but {len(out.logprobs)} logprobs")
+            action = _decode(tokenizer, out.token_ids)
+            seq.add(list(out.token_ids), action=True, logps=out.logprobs)
+            record = {"turn": turn, "action": action, "finish_reason": out.finish_reason}
+            traj.turns.append(record)
+            traj.num_turns = turn + 1
+
+            try:
+                res = await env.step(state, action, extra_info)
+            except Exception as e:
+                fail(f"step (turn {turn})", e, record)
+                break
+            extra_info = res["extra_info"] if "uid" in res["extra_info"] else {**res["extra_info"], "uid": uid}
+            traj.extra_info = extra_info
+            traj.reward += res["reward"]
+            traj.score += res["score"]
+            record.update(reward=res["reward"], score=res["score"], done=res["done"])
+            # The turn's reward lands on its last action token (an empty action: the last
+            # action token of the sequence; none at all: it is only in the totals).
+            last = seq.last_action_index()
+            if last is not None:
+                seq.rewards[last] += res["reward"]
+            if res["done"]:
+                break
+
+            next_state, prefix = res["next_state"], state + action
+            merged = next_state.startswith(prefix)
+            record["env_text"] = next_state[len(prefix):] if merged else next_state
+            record["new_sequence"] = not merged
+            state = next_state
+            if turn == max_turns - 1:
+                traj.truncated = True
+                break
+            if merged:
+                seq.add(_encode(tokenizer, record["env_text"]), action=False)
+            else:
+                seq = _Sequence(_encode(tokenizer, next_state))
+                sequences.append(seq)
+    finally:
+        await env.close(extra_info)
+
+    traj.samples = [s.to_sample() for s in sequences if len(s.ids) >= 2]
+    return traj
+
+
+__all__ = ["Trajectory", "run_trajectory"]

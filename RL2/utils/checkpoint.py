@@ -1,0 +1,121 @@
+"""Checkpoints: `run_dir/step{N}/` = the model in Hugging Face format (+ tokenizer), a sharded DCP
+copy of model and optimizer (reshardable to any layout), scheduler, RNG and trainer state.
+
+Written to `step{N}.tmp` and renamed only when complete, then `latest` is updated atomically, so a
+crash while saving never touches the previous checkpoint.
+"""
+import json
+import logging
+import os
+import shutil
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions, get_model_state_dict, get_state_dict, set_state_dict)
+
+logger = logging.getLogger(__name__)
+
+
+def full_state_dict(model) -> dict:
+    """Full (unsharded) CPU state dict on rank 0; empty elsewhere. A collective."""
+    return get_model_state_dict(
+        model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def save_hf(model, out_dir: str, tokenizer=None, dtype: torch.dtype | None = None):
+    """Gather the sharded model and write it as a plain HF checkpoint (rank 0 writes)."""
+    state = full_state_dict(model)
+    if dist.get_rank() == 0:
+        os.makedirs(out_dir, exist_ok=True)
+        if dtype is not None:
+            state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
+        if getattr(model.config, "tie_word_embeddings", False):
+            state.pop("lm_head.weight", None)  # tied: HF re-creates it from the embedding
+        from safetensors.torch import save_file
+
+        save_file({k: v.contiguous() for k, v in state.items()},
+                  os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+        model.config.save_pretrained(out_dir)
+        if getattr(model, "generation_config", None) is not None and model.can_generate():
+            model.generation_config.save_pretrained(out_dir)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(out_dir)
+    dist.barrier()
+
+
+def resolve_ckpt(path: str, run_dir: str) -> str:
+    if path == "latest":
+        latest = os.path.join(run_dir, "latest")
+        if not os.path.exists(latest):
+            raise FileNotFoundError(f"trainer.load_ckpt_from=latest but {latest} does not exist")
+        with open(latest) as f:
+            path = os.path.join(run_dir, f.read().strip())
+    if not os.path.isfile(os.path.join(path, "trainer_state.json")):
+        raise FileNotFoundError(f"{path} is not a complete RL2 checkpoint (no trainer_state.json)")
+    return path
+
+
+def save_checkpoint(run_dir: str, step: int, workers: dict, tokenizer, trainer_state: dict,
+                    keep_last: int | None = None, hf_worker: str = "actor"):
+    """Collective: every rank calls it. `workers` maps a name to a trained Worker."""
+    final = os.path.join(run_dir, f"step{step}")
+    tmp = final + ".tmp"
+    rank = dist.get_rank()
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    dist.barrier()
+    for name, w in workers.items():
+        save_hf(w.model, tmp if name == hf_worker else os.path.join(tmp, name), tokenizer)
+        model_sd, optim_sd = get_state_dict(w.model, w.optimizer)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=os.path.join(tmp, "dcp", name))
+    torch.save({"torch": torch.get_rng_state(),
+                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
+               os.path.join(tmp, f"rng_rank{rank}.pt"))
+    if rank == 0:
+        state = dict(trainer_state, step=step,
+                     schedulers={n: w.scheduler.state_dict() for n, w in workers.items()})
+        with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
+            json.dump(state, f)
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        latest_tmp = os.path.join(run_dir, "latest.tmp")
+        with open(latest_tmp, "w") as f:
+            f.write(f"step{step}")
+        os.replace(latest_tmp, os.path.join(run_dir, "latest"))
+        if keep_last:
+            _prune(run_dir, keep_last)
+        logger.info(f"saved checkpoint {final}")
+    dist.barrier()
+    return final
+
+
+def _prune(run_dir: str, keep_last: int):
+    steps = sorted(int(d[4:]) for d in os.listdir(run_dir)
+                   if d.startswith("step") and d[4:].isdigit())
+    for s in steps[:-keep_last]:
+        shutil.rmtree(os.path.join(run_dir, f"step{s}"), ignore_errors=True)
+
+
+def load_checkpoint(path: str, workers: dict) -> dict:
+    """Restore model/optimizer shards (any layout), schedulers and RNG; returns trainer state."""
+    with open(os.path.join(path, "trainer_state.json")) as f:
+        state = json.load(f)
+    for name, w in workers.items():
+        model_sd, optim_sd = get_state_dict(w.model, w.optimizer)
+        sd = {"model": model_sd, "optim": optim_sd}
+        dcp.load(sd, checkpoint_id=os.path.join(path, "dcp", name))
+        set_state_dict(w.model, w.optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+        w.scheduler.load_state_dict(state["schedulers"][name])
+    rng_file = os.path.join(path, f"rng_rank{dist.get_rank()}.pt")
+    if os.path.exists(rng_file):  # absent when resuming with more ranks than were saved
+        rng = torch.load(rng_file, weights_only=False)
+        torch.set_rng_state(rng["torch"])
+        if rng["cuda"] is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(rng["cuda"])
+    logger.info(f"resumed from {path} at step {state['step']}")
+    return state

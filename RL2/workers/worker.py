@@ -1,0 +1,151 @@
+"""A worker: one HF model sharded over every rank (FSDP2 + optional TP/SP), its optimizer and
+scheduler, and the packed forward used by all trainers."""
+import logging
+import math
+
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig
+
+from RL2.data.packing import MicroBatch, pack, plan_micro_batches, unpack
+from RL2.parallel.attention import PackedContext, packed_kwargs, register
+from RL2.parallel.fsdp import parallelize
+from RL2.parallel.mesh import ParallelDims
+from RL2.utils.config import resolve_dtype
+
+logger = logging.getLogger(__name__)
+
+
+def load_hf_model(path: str, value_head: bool, dtype: torch.dtype, trust_remote_code=False):
+    from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+
+    kw = dict(attn_implementation=register(), dtype=dtype, trust_remote_code=trust_remote_code)
+    if value_head:
+        # A causal-LM checkpoint gets a fresh 1-wide head; the same seed on every rank keeps it
+        # identical across replicas.
+        return AutoModelForTokenClassification.from_pretrained(path, num_labels=1, **kw)
+    return AutoModelForCausalLM.from_pretrained(path, **kw)
+
+
+def make_scheduler(optimizer, cfg: DictConfig, total_steps: int):
+    warmup = int(cfg.warmup_ratio * total_steps)
+    floor = cfg.min_lr_ratio
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / (warmup + 1)
+        if cfg.scheduler == "constant":
+            return 1.0
+        progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
+        if cfg.scheduler == "cosine":
+            return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+        if cfg.scheduler == "linear":
+            return floor + (1 - floor) * (1 - progress)
+        raise ValueError(f"unknown scheduler {cfg.scheduler!r}: use constant, cosine or linear")
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+class Worker:
+    def __init__(self, cfg: DictConfig, device: str, *, value_head: bool = False,
+                 train: bool = True, total_steps: int = 1, seed: int = 0):
+        self.cfg, self.device, self.value_head, self.train = cfg, device, value_head, train
+        self.dims = ParallelDims(dist.get_world_size(), cfg.ddp_size, cfg.tp_size, cfg.sp_size, device)
+        self.compute_dtype = resolve_dtype(cfg.dtype, device)
+        # Master weights stay fp32 (fp64 when asked for, e.g. exactness tests).
+        master = torch.float64 if self.compute_dtype == torch.float64 else torch.float32
+        torch.manual_seed(seed)
+        self.model = load_hf_model(cfg.model_name, value_head, master, cfg.trust_remote_code)
+        self.config = self.model.config
+        if train and cfg.gradient_checkpointing:
+            self.model.config.use_cache = False
+        parallelize(self.model, self.dims, param_dtype=self.compute_dtype,
+                    gradient_checkpointing=train and cfg.gradient_checkpointing,
+                    offload_params=cfg.offload_params)
+        if device == "cuda" and not cfg.offload_params:
+            self.model.to("cuda")
+        self.capacity = cfg.max_length_per_device * self.dims.sp * self.dims.tp
+        self.optimizer = self.scheduler = None
+        if train:
+            self.optimizer = torch.optim.AdamW(
+                self.model.parameters(), lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,
+                weight_decay=cfg.weight_decay)
+            self.scheduler = make_scheduler(self.optimizer, cfg, total_steps)
+        else:
+            self.model.eval()
+
+    # ----- batching -----
+    def plan(self, samples: list[dict], groups: list[list[int]] | None = None) -> list[MicroBatch]:
+        """This rank's packed micro-batches; the plan is made on rank 0 and broadcast so every
+        rank agrees on it even if tie-breaks differ."""
+        lengths = [len(s["input_ids"]) for s in samples]
+        plan = [None]
+        if dist.get_rank() == 0:
+            plan[0] = plan_micro_batches(lengths, self.dims.dp, self.capacity, groups=groups)
+        dist.broadcast_object_list(plan, src=0)
+        return [pack(samples, idx, self.dims.sp, self.dims.sp_rank).to(self.device)
+                for idx in plan[0][self.dims.dp_rank]]
+
+    # ----- forward -----
+    def forward(self, mb: MicroBatch, temperature: float = 1.0, need_entropy: bool = False) -> dict:
+        """Per-token outputs of one micro-batch (local to this sp rank): `logps` (+`entropy`) of
+        `labels` for a causal LM, `values` for a value model."""
+        ctx = PackedContext(mb.cu_seqlens, mb.max_seqlen, self.dims.sp_group)
+        out = self.model(input_ids=mb.data["input_ids"][None], position_ids=mb.data["position_ids"][None],
+                         use_cache=False, **packed_kwargs(ctx))
+        logits = out.logits
+        if self.value_head:
+            return {"values": logits[0, :, 0].float() if not hasattr(logits, "full_tensor")
+                    else logits.full_tensor()[0, :, 0].float()}
+        from RL2.parallel.tensor_parallel import logps_and_entropy
+
+        logps, entropy = logps_and_entropy(logits[0], mb.data["labels"], temperature, need_entropy)
+        result = {"logps": logps}
+        if need_entropy:
+            result["entropy"] = entropy
+        return result
+
+    @torch.no_grad()
+    def infer(self, samples: list[dict], key: str, **kw) -> list[torch.Tensor]:
+        """Run `forward` over every sample and return output `key` per sample, in order, on every
+        rank (micro-batches are spread over dp ranks, then gathered)."""
+        was_training = self.model.training
+        self.model.eval()
+        local = {}
+        for mb in self.plan(samples):
+            out = self.forward(mb, **kw)[key]
+            for i, t in zip(mb.indices, unpack(mb, out, self.dims.sp_group)):
+                local[i] = t.detach().float().cpu()
+        if was_training:
+            self.model.train()
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, local)
+        merged = {}
+        for part in gathered:
+            merged.update(part)
+        return [merged[i] for i in range(len(samples))]
+
+    # ----- update -----
+    def all_reduce_metric(self, value: float) -> float:
+        """Sum of a per-rank partial metric over data ranks; tp ranks hold copies, so divide."""
+        t = torch.tensor([value], dtype=torch.float64)
+        dist.all_reduce(t)
+        return t.item() / self.dims.tp
+
+    def step(self) -> float:
+        """Clip by the global grad norm, take an optimizer step; returns the pre-clip norm."""
+        from RL2.parallel.tensor_parallel import grad_norm_and_clip
+
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        grad_norm = grad_norm_and_clip(params, self.cfg.max_grad_norm)
+        if math.isfinite(grad_norm):
+            self.optimizer.step()
+        else:
+            logger.warning(f"grad norm is {grad_norm}; skipping the optimizer step")
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        return grad_norm
+
+    @property
+    def lr(self) -> float:
+        return self.scheduler.get_last_lr()[0]

@@ -1,0 +1,221 @@
+"""Tensor parallel (DTensor) == single process: logits, log-probs, entropy, gradients, FSDP2 x TP."""
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from RL2.parallel import tensor_parallel as tpmod
+from RL2.parallel.tensor_parallel import (
+    apply_tp, grad_norm_and_clip, logps_and_entropy, validate_tp)
+from tests.dist_utils import run_dist
+
+TOL = 1e-10  # float64 throughout: any layout bug shows up far above this
+
+
+def _config(arch="qwen2", tied=False, heads=4, kv=2, vocab=128, num_labels=1):
+    from transformers import AutoConfig
+
+    extra = {"head_dim": 8} if arch == "qwen3" else {}
+    return AutoConfig.for_model(
+        arch, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=heads, num_key_value_heads=kv, vocab_size=vocab,
+        tie_word_embeddings=tied, initializer_range=0.2, num_labels=num_labels, **extra)
+
+
+def _build(kind="causal", **cfg):
+    from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+
+    torch.manual_seed(0)
+    cls = AutoModelForCausalLM if kind == "causal" else AutoModelForTokenClassification
+    return cls.from_config(_config(**cfg)).to(torch.float64)
+
+
+def _batch(vocab, n_seqs=2, length=12):
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, vocab, (n_seqs, length + 1), generator=g)
+    return ids[:, :-1], ids[:, 1:]
+
+
+def _full(t):
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _ref_logps_entropy(logits, labels):
+    logp = torch.log_softmax(logits, -1)
+    return logp.gather(-1, labels[..., None]).squeeze(-1), -(logp.exp() * logp).sum(-1)
+
+
+def _max_grad_diff(ref, model):
+    """Largest relative difference between per-parameter gradients (full tensors)."""
+    worst = 0.0
+    for (name, p_ref), (name2, p) in zip(ref.named_parameters(), model.named_parameters()):
+        assert name == name2, (name, name2)
+        g_ref, g = p_ref.grad, _full(p.grad)
+        worst = max(worst, ((g - g_ref).norm() / g_ref.norm().clamp_min(1e-30)).item())
+    return worst
+
+
+def _compare_case(case, tp_mesh):
+    """One model: reference forward/backward, TP forward/backward, return the max errors."""
+    kind = case.get("kind", "causal")
+    ref = _build(**case)
+    model = apply_tp(copy.deepcopy(ref), tp_mesh)
+    ids, labels = _batch(ref.config.vocab_size)
+    out = {}
+    if kind == "causal":
+        if ref.config.tie_word_embeddings:
+            out["tied"] = model.lm_head.weight is model.model.embed_tokens.weight
+        out["sharded_logits"] = isinstance(model(input_ids=ids).logits, DTensor)
+        ref_logits = ref(input_ids=ids).logits
+        lp_ref, ent_ref = _ref_logps_entropy(ref_logits / 0.8, labels)
+        (lp_ref.sum() + 0.3 * ent_ref.sum()).backward()
+        logits = model(input_ids=ids).logits
+        lp, ent = logps_and_entropy(logits, labels, temperature=0.8, need_entropy=True)
+        (lp.sum() + 0.3 * ent.sum()).backward()
+        out["logits"] = (_full(logits) - ref_logits).abs().max().item()
+        out["logps"] = (lp - lp_ref).abs().max().item()
+        out["entropy"] = (ent - ent_ref).abs().max().item()
+    else:
+        values_ref = ref(input_ids=ids).logits.squeeze(-1)
+        (values_ref ** 2).sum().backward()
+        values = model(input_ids=ids).logits.squeeze(-1)
+        (values ** 2).sum().backward()
+        out["head_replicated"] = not isinstance(model.score.weight, DTensor)
+        out["values"] = (values - values_ref).abs().max().item()
+    out["grads"] = _max_grad_diff(ref, model)
+    return out
+
+
+TP2_CASES = [
+    dict(arch="qwen2", tied=False),
+    dict(arch="qwen2", tied=True),
+    dict(arch="llama", tied=False),
+    dict(arch="qwen3", tied=True),
+    dict(arch="qwen3", tied=False),
+    dict(arch="mistral", tied=False),
+    dict(arch="qwen2", tied=True, vocab=101),  # vocab not divisible: replicated fallback
+    dict(arch="qwen2", kind="value"),
+]
+
+
+def _tp2_worker(rank, world_size):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",))
+    return [_compare_case(case, mesh) for case in TP2_CASES]
+
+
+def _check(result, case):
+    for key, value in result.items():
+        if isinstance(value, bool):
+            expected = key != "sharded_logits" or case.get("vocab", 128) % 2 == 0
+            assert value is expected, (case, key, value)
+        else:
+            assert value < TOL, (case, key, value)
+
+
+def test_tp2_matches_single_process():
+    results = run_dist(_tp2_worker, 2)
+    for per_rank in results:
+        for case, result in zip(TP2_CASES, per_rank):
+            _check(result, case)
+
+
+def _tp4_and_fsdp_worker(rank, world_size):
+    """tp=4 on one model, then dp=2 x tp=2 with FSDP2 on the dp dim of a 2-D mesh."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    tp4 = _compare_case(dict(arch="qwen2", tied=True, heads=4, kv=4), init_device_mesh("cpu", (4,)))
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    ref = _build(arch="qwen2", tied=True)
+    model = apply_tp(copy.deepcopy(ref), mesh["tp"])
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])  # embeddings + tied lm_head in the root unit
+
+    ids, labels = _batch(ref.config.vocab_size, n_seqs=4)
+    lp, ent = _ref_logps_entropy(ref(input_ids=ids).logits, labels)
+    loss_ref = -lp.mean() - 0.1 * ent.mean()
+    loss_ref.backward()
+    norm_ref = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm=0.05).item()
+
+    # Each dp rank takes 2 of the 4 sequences; FSDP averages the gradients over dp.
+    dp = mesh.get_local_rank("dp")
+    mine = slice(2 * dp, 2 * dp + 2)
+    lp, ent = logps_and_entropy(model(input_ids=ids[mine]).logits, labels[mine], need_entropy=True)
+    loss = -lp.mean() - 0.1 * ent.mean()
+    loss.backward()
+    norm = grad_norm_and_clip(list(model.parameters()), max_norm=0.05)
+    loss_avg = loss.detach().clone()
+    dist.all_reduce(loss_avg, group=mesh.get_group("dp"))
+    return {
+        "tp4": tp4,
+        "loss": abs(loss_avg.item() / 2 - loss_ref.item()),
+        "norm": abs(norm - norm_ref) / norm_ref,
+        "clipped_grads": _max_grad_diff(ref, model),
+        "norm_clipped": norm_ref > 0.05,
+    }
+
+
+def test_tp4_and_fsdp_dp2_tp2_match_single_process():
+    for out in run_dist(_tp4_and_fsdp_worker, 4):
+        _check(out["tp4"], dict(arch="qwen2"))
+        assert out["norm_clipped"]  # the clip really scaled the gradients
+        for key in ("loss", "norm", "clipped_grads"):
+            assert out[key] < TOL, (key, out[key])
+
+
+@pytest.mark.parametrize("key,value,message", [
+    ("num_attention_heads", 6, "num_attention_heads=6 is not divisible by tp_size=4"),
+    ("num_key_value_heads", 2, "num_key_value_heads=2 is not divisible by tp_size=4"),
+    ("intermediate_size", 66, "intermediate_size=66 is not divisible by tp_size=4"),
+])
+def test_validate_tp_names_the_numbers(key, value, message):
+    cfg = _config(heads=12, kv=4)
+    setattr(cfg, key, value)
+    with pytest.raises(ValueError, match=message):
+        validate_tp(cfg, 4)
+
+
+def test_validate_tp_architecture_and_vocab():
+    from transformers import GPT2Config
+
+    with pytest.raises(ValueError, match="tensor parallelism supports model_type"):
+        validate_tp(GPT2Config(), 2)
+    assert validate_tp(_config(vocab=128), 2) is True
+    assert validate_tp(_config(vocab=101), 2) is False  # replicated lm_head fallback
+
+
+@pytest.mark.parametrize("chunk", [1 << 24, 7])  # 7 elements: one token per chunk
+def test_logps_and_entropy_plain_tensor(monkeypatch, chunk):
+    monkeypatch.setattr(tpmod, "_CHUNK_ELEMENTS", chunk)
+    torch.manual_seed(0)
+    logits = (3 * torch.randn(2, 5, 11, dtype=torch.float64)).requires_grad_()
+    labels = torch.randint(0, 11, (2, 5))
+    lp, ent = logps_and_entropy(logits, labels, temperature=0.7, need_entropy=True)
+    lp_ref, ent_ref = _ref_logps_entropy(logits / 0.7, labels)
+    torch.testing.assert_close(lp, lp_ref, rtol=0, atol=1e-12)
+    torch.testing.assert_close(ent, ent_ref, rtol=0, atol=1e-12)
+    lp_only, none = logps_and_entropy(logits, labels)
+    assert none is None and lp_only.shape == (2, 5)
+    torch.autograd.gradcheck(
+        lambda x: logps_and_entropy(x, labels, 0.7, need_entropy=True), (logits,))
+    torch.autograd.gradcheck(lambda x: logps_and_entropy(x, labels)[0], (logits,))
+
+
+def test_grad_norm_and_clip_plain_matches_torch():
+    torch.manual_seed(0)
+    a = [torch.nn.Parameter(torch.randn(4, 3)) for _ in range(3)]
+    b = [torch.nn.Parameter(p.detach().clone()) for p in a]
+    for p, q in zip(a, b):
+        p.grad = torch.randn_like(p)
+        q.grad = p.grad.clone()
+    ref = torch.nn.utils.clip_grad_norm_(b, max_norm=1.0).item()
+    assert abs(grad_norm_and_clip(a, 1.0) - ref) < 1e-5
+    for p, q in zip(a, b):
+        torch.testing.assert_close(p.grad, q.grad)
+    assert abs(grad_norm_and_clip(a, None) - 1.0) < 1e-5  # no clip: just the (clipped) norm

@@ -29,7 +29,7 @@ def _build(kind="causal", **cfg):
 
     torch.manual_seed(0)
     cls = AutoModelForCausalLM if kind == "causal" else AutoModelForTokenClassification
-    return cls.from_config(_config(**cfg)).to(torch.float64)
+    return cls.from_config(_config(**cfg)).to(torch.float64).eval()  # eval: no dropout
 
 
 def _batch(vocab, n_seqs=2, length=12):

@@ -57,7 +57,8 @@ def _kk_merge(a: list, b: list, n_parts: int) -> list:
     O(non-empty parts), not O(n_parts).
     """
     merged = []
-    for j in range(n_parts):
+    # Only slots where a or b has a non-empty part can give a non-empty result.
+    for j in sorted(set(range(len(a))) | set(range(max(0, n_parts - len(b)), n_parts))):
         pa = a[j] if j < len(a) else None
         jb = n_parts - 1 - j  # b's j-th lightest part is its (n_parts-1-j)-th heaviest
         pb = b[jb] if jb < len(b) else None
@@ -108,7 +109,7 @@ def _units(lengths, groups, sp_size, pad_multiple):
             if i in owner:
                 raise ValueError(f"sample {i} is in groups {owner[i]} and {g}")
             owner[i] = g
-    units = [sorted(members) for members in (groups or []) if members]
+    units = [list(members) for members in (groups or []) if members]
     units += [[i] for i in range(len(lengths)) if i not in owner]
     return [(sum(padded_length(lengths[i], sp_size, pad_multiple) for i in u), u) for u in units]
 
@@ -127,11 +128,12 @@ def plan_micro_batches(lengths: list[int], dp_size: int, capacity: int,
     units = _units(lengths, groups, sp_size, pad_multiple)
     for weight, members in units:
         if weight > capacity:
-            what = f"sample {members[0]}" if len(members) == 1 else f"group of samples {members}"
+            lens = [lengths[i] for i in members]
+            what = (f"sample {members[0]} has length {lens[0]}" if len(members) == 1
+                    else f"group of samples {members} has lengths {lens}")
             raise ValueError(
-                f"{what} has length {[lengths[i] for i in members]} ({weight} tokens after "
-                f"padding) > micro-batch capacity {capacity}; raise max_length_per_device or "
-                "lower the data max_length"
+                f"{what} ({weight} tokens after padding) > micro-batch capacity {capacity}; "
+                "raise max_length_per_device or lower the data max_length"
             )
     if not units:
         return [[] for _ in range(dp_size)]
@@ -190,6 +192,10 @@ def pack(samples: list[dict], indices: list[int], sp_size: int = 1, sp_rank: int
             if list(s) != keys:
                 raise ValueError(f"sample {i} has keys {list(s)}, expected {keys}")
         lengths = [len(s["input_ids"]) for s in seqs]
+        for i, s, n in zip(indices, seqs, lengths):
+            bad = [k for k in keys if len(s[k]) != n]
+            if bad:
+                raise ValueError(f"sample {i}: {bad} not of the input_ids length {n}")
     else:  # dummy: the keys (and dtypes) of any sample, all zeros
         template = samples[0] if samples else {
             "input_ids": torch.zeros(1, dtype=torch.long),

@@ -39,7 +39,8 @@ def apply_fsdp(model: nn.Module, dims: ParallelDims, param_dtype: torch.dtype,
     3. gradients are SUMMED over the data-parallel ranks (divide factor 1): losses are already
        normalised by global token / sequence counts, so averaging would divide twice.
     """
-    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    reduce_dtype = torch.float64 if param_dtype == torch.float64 else torch.float32
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     kw = dict(mesh=dims.fsdp_mesh, mp_policy=mp)
     if offload_params:
         kw["offload_policy"] = CPUOffloadPolicy()
@@ -48,7 +49,9 @@ def apply_fsdp(model: nn.Module, dims: ParallelDims, param_dtype: torch.dtype,
     fully_shard(model, reshard_after_forward=reshard_after_forward, **kw)
     for module in model.modules():
         if isinstance(module, FSDPModule):
+            # Plain SUM collectives with no scaling (gloo has no PREMUL_SUM).
             module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
     kind = "HSDP" if dims.ddp > 1 else "FSDP"
     logger.info(f"Applied {kind} to the model (ddp={dims.ddp}, fsdp={dims.fsdp})")
 

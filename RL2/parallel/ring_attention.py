@@ -98,7 +98,7 @@ class _Ring:
         def wait() -> torch.Tensor:
             for req in reqs:
                 req.wait()
-            del ops  # keep the send buffer alive until the exchange is done
+            ops.clear()  # the closure kept the send buffer alive until the exchange finished
             return buf
 
         return wait

@@ -9,7 +9,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module)
 
 logger = logging.getLogger(__name__)
 
@@ -26,6 +27,14 @@ LAYER_PLAN = {
     "mlp.gate_proj": ColwiseParallel(),
     "mlp.up_proj": ColwiseParallel(),
     "mlp.down_proj": RowwiseParallel(),
+}
+
+# Qwen3 normalises q and k per head, on the local heads (B, T, heads/tp, head_dim). A plain
+# replicated weight would only get the gradient of the local heads; as a Replicate DTensor fed a
+# head-sharded input (Shard(2)) its gradient is summed over all heads by DTensor.
+QK_NORM_PLAN = {
+    "self_attn.q_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
+    "self_attn.k_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
 }
 
 # Logits/log-prob work is done in token chunks of about this many local-vocab elements.
@@ -65,7 +74,8 @@ def apply_tp(model: nn.Module, tp_mesh):
     Steps:
     1. validate the config (raises on unsupported architectures / indivisible sizes);
     2. each decoder layer: column-parallel q/k/v/gate/up, row-parallel o/down (`LAYER_PLAN`);
-       HF attention reshapes with -1 heads, so local head counts need no patch;
+       HF attention reshapes with -1 heads, so local head counts need no patch; Qwen3's
+       per-head q/k norms get head-sharded inputs (`QK_NORM_PLAN`);
     3. causal LMs with a divisible vocabulary: row-parallel (vocab-sharded) embeddings and a
        vocab-parallel lm_head whose logits stay a DTensor sharded on the last dim
        (consume them with `logps_and_entropy`); tied weights are re-tied to one DTensor,
@@ -76,7 +86,10 @@ def apply_tp(model: nn.Module, tp_mesh):
     vocab_parallel = validate_tp(model.config, tp_size)
     base = getattr(model, model.base_model_prefix, model)
     for layer in base.layers:
-        parallelize_module(layer, tp_mesh, LAYER_PLAN)
+        plan = dict(LAYER_PLAN)
+        if hasattr(layer.self_attn, "q_norm"):
+            plan.update(QK_NORM_PLAN)
+        parallelize_module(layer, tp_mesh, plan)
         _localize_head_counts(layer.self_attn, tp_size)
 
     lm_head = getattr(model, "lm_head", None)
@@ -236,8 +249,9 @@ def grad_norm_and_clip(params, max_norm: float | None) -> float:
                 g = g.redistribute(placements=[Replicate() if isinstance(pl, Partial) else pl
                                                for pl in g.placements])
             mesh = g.device_mesh
+            # Any non-Replicate dim is sharded (FSDP x TP uses _StridedShard, not a Shard).
             groups = tuple(mesh.get_group(d) for d, pl in enumerate(g.placements)
-                           if pl.is_shard() and mesh.size(d) > 1)
+                           if not pl.is_replicate() and mesh.size(d) > 1)
             g = g.to_local()
         sq = g.to(torch.promote_types(g.dtype, torch.float32)).pow(2).sum().to(torch.float64)
         # Insertion order is the parameter order, the same on every rank: collectives line up.

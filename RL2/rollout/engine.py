@@ -4,6 +4,7 @@ Backends: `torch` (embedded PyTorch engine, any device, in `torch_engine.py`) an
 (optional GPU extra, `sglang_engine.py`). Both are imported lazily so that this module never
 pulls in a backend the caller does not use.
 """
+import hashlib
 import importlib.util
 import logging
 from abc import ABC, abstractmethod
@@ -51,6 +52,12 @@ class GenerationOutput:
     finish_reason: str            # "stop" | "length" | "abort"
 
 
+def derive_seed(seed: int, i: int) -> int:
+    """Seed of sample i of a request seeded with `seed` (same rule for every backend)."""
+    digest = hashlib.blake2b(f"{seed}:{i}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & (2**63 - 1)
+
+
 class Engine(ABC):
     """A generation backend shared by many concurrent asyncio callers (one event loop)."""
 
@@ -63,12 +70,14 @@ class Engine(ABC):
         """Load full (unsharded) tensors keyed by HF parameter names."""
 
     @abstractmethod
-    def release_memory(self) -> None:
-        """Free generation memory (KV cache, optionally weights) while training runs."""
+    def release_memory(self, tags: list[str] | None = None) -> None:
+        """Free generation memory while training runs; in-flight requests end with "abort".
+        tags: subset of ["weights", "kv_cache"]; None = all."""
 
     @abstractmethod
-    def resume_memory(self) -> None:
-        """Undo `release_memory`."""
+    def resume_memory(self, tags: list[str] | None = None) -> None:
+        """Undo `release_memory` for `tags` (None = all). Weight sync order: resume ["weights"],
+        update_weights, resume ["kv_cache"]."""
 
     @abstractmethod
     def shutdown(self) -> None:

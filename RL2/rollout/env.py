@@ -148,7 +148,7 @@ class Env:
         if next_state is not None and not isinstance(next_state, str):
             raise EnvError(f"{where}: 'next_state' must be a str or None, got {type(next_state).__name__}")
         # numpy.bool_ is common in envs built on numpy; anything else (ints, strings) is a bug.
-        if not (isinstance(done, bool) or type(done).__name__ == "bool_"):
+        if not (isinstance(done, bool) or (type(done).__module__ == "numpy" and "bool" in type(done).__name__)):
             raise EnvError(f"{where}: 'done' must be a bool, got {type(done).__name__}")
         done = bool(done)
         if next_state is None and not done:

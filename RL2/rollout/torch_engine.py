@@ -32,7 +32,6 @@ Design (continuous batching over one left-padded batch KV cache):
 """
 import asyncio
 import gc
-import hashlib
 import logging
 import random
 from dataclasses import dataclass, field
@@ -41,7 +40,7 @@ from typing import Iterable
 import torch
 import torch.nn.functional as F
 
-from RL2.rollout.engine import Engine, GenerationOutput, SamplingParams
+from RL2.rollout.engine import Engine, GenerationOutput, SamplingParams, derive_seed
 
 logger = logging.getLogger(__name__)
 
@@ -62,11 +61,6 @@ class _Seq:
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     finish: str | None = None
-
-
-def _derive_seed(seed: int, i: int) -> int:
-    digest = hashlib.blake2b(f"{seed}:{i}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & (2**63 - 1)
 
 
 class TorchEngine(Engine):
@@ -102,7 +96,8 @@ class TorchEngine(Engine):
         self._waiting: list[_Request] = []
         self._reset_batch()
         self._loop = self._task = self._wakeup = None
-        self._released = self._closed = False
+        self._released: set[str] = set()
+        self._closed = False
         self._check_cache_layout()
 
     # ---------------------------------------------------------------- public API
@@ -110,7 +105,8 @@ class TorchEngine(Engine):
         if self._closed:
             raise RuntimeError("TorchEngine is shut down")
         if self._released:
-            raise RuntimeError("TorchEngine memory is released; call resume_memory() first")
+            raise RuntimeError(f"TorchEngine memory {sorted(self._released)} is released; "
+                               "call resume_memory() first")
         params.validate()
         prompt = [int(t) for t in prompt_ids]
         if not prompt:
@@ -129,7 +125,7 @@ class TorchEngine(Engine):
         for i in range(params.n):
             gen = None
             if params.temperature > 0:
-                seed = (_derive_seed(params.seed, i) if params.seed is not None
+                seed = (derive_seed(params.seed, i) if params.seed is not None
                         else self._rng.getrandbits(63))
                 gen = torch.Generator().manual_seed(seed)
             req.seqs.append(_Seq(req, gen))
@@ -150,19 +146,23 @@ class TorchEngine(Engine):
                                  f"expected {tuple(target.shape)}")
             target.data.copy_(tensor)
 
-    def release_memory(self) -> None:
+    def release_memory(self, tags: list[str] | None = None) -> None:
+        """Any tag aborts in-flight requests and drops the KV cache; "weights" (or None) also
+        moves the weights to CPU when offload_weights is set and the device is not CPU."""
+        tags = set(tags or ("weights", "kv_cache"))
         self._abort_all()
-        if self.offload_weights and self.device.type != "cpu":
+        if "weights" in tags and self.offload_weights and self.device.type != "cpu":
             self.model.to("cpu")
-        self._released = True
+        self._released |= tags
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
-    def resume_memory(self) -> None:
-        if self._released:
+    def resume_memory(self, tags: list[str] | None = None) -> None:
+        tags = set(tags or ("weights", "kv_cache"))
+        if "weights" in tags & self._released:
             self.model.to(self.device)
-            self._released = False
+        self._released -= tags
 
     def shutdown(self) -> None:
         self._abort_all()

@@ -133,6 +133,8 @@ class Trainer:
             metrics_log.log(metrics, self.step)
             if t.save_freq and self.step % t.save_freq == 0:
                 self.save(self.step)
+            if os.environ.get("RL2_CRASH_AFTER_STEP") == str(self.step):
+                os._exit(17)  # fault injection for the resume tests: die like a killed job
         if not t.test_freq or self.step % t.test_freq:
             metrics_log.log(self.evaluate(), self.step, advance=False)
         metrics_log.close()

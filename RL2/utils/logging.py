@@ -30,6 +30,12 @@ def setup_logging(level=logging.INFO):
     logging.setLogRecordFactory(factory)
     for noisy in ("httpx", "urllib3", "datasets", "filelock"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    # Per-file progress bars of datasets/transformers drown the training bar.
+    import datasets
+    import transformers
+
+    datasets.disable_progress_bars()
+    transformers.utils.logging.disable_progress_bar()
 
 
 class MetricLogger:

@@ -81,7 +81,8 @@ class Worker:
         lengths = [len(s["input_ids"]) for s in samples]
         plan = [None]
         if dist.get_rank() == 0:
-            plan[0] = plan_micro_batches(lengths, self.dims.dp, self.capacity, groups=groups)
+            plan[0] = plan_micro_batches(lengths, self.dims.dp, self.capacity, groups=groups,
+                                         sp_size=self.dims.sp)
         dist.broadcast_object_list(plan, src=0)
         return [pack(samples, idx, self.dims.sp, self.dims.sp_rank).to(self.device)
                 for idx in plan[0][self.dims.dp_rank]]

@@ -1,0 +1,189 @@
+"""Packed-sequence attention for ordinary HF models, registered as attn_implementation "rl2_packed".
+
+Load the model with `attn_implementation=register()` and call it on one packed row:
+    model(input_ids=ids[None], position_ids=pos[None], use_cache=False, **packed_kwargs(ctx))
+HF forwards unknown model kwargs (TransformersKwargs) from `model(...)` through the decoder layers
+into the attention function, so the per-batch `PackedContext` travels with the call and no global
+state is needed. The registered mask function returns None for the plain causal case, so HF never
+builds a T x T mask; the attention function then runs causal attention inside every packed
+sequence (CPU: SDPA per sequence; CUDA fp16/bf16: flash-attn varlen if installed; with an sp group:
+zig-zag ring attention). Without a context (generate, padded batches) it behaves like HF "sdpa".
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from RL2.parallel.ring_attention import ring_attention
+
+logger = logging.getLogger(__name__)
+
+NAME = "rl2_packed"
+CTX_KWARG = "rl2_ctx"
+
+
+@dataclass
+class PackedContext:
+    """Where the sequences of one packed row start and end (this rank's tokens).
+
+    cu_seqlens: int32 (n_seqs + 1,) local boundaries; with sp they are the zig-zag shard
+    boundaries, identical on every rank of the group. max_seqlen: longest local sequence.
+    sp_group: process group of the sequence-parallel ranks, or None.
+    """
+
+    cu_seqlens: torch.Tensor
+    max_seqlen: int
+    sp_group: Any = None
+
+    @cached_property
+    def bounds(self) -> list[int]:
+        """cu_seqlens as Python ints (one device sync per batch, not per layer)."""
+        return [int(b) for b in self.cu_seqlens.tolist()]
+
+
+def packed_kwargs(ctx: PackedContext) -> dict:
+    """Extra kwargs for `model(...)` that route `ctx` to every attention layer."""
+    return {CTX_KWARG: ctx}
+
+
+def register() -> str:
+    """Register the attention and mask functions with transformers (idempotent); returns NAME."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(NAME, packed_attention_forward)
+    AttentionMaskInterface.register(NAME, packed_mask)
+    return NAME
+
+
+def packed_mask(
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    q_offset: int = 0,
+    kv_offset: int = 0,
+    attention_mask: torch.Tensor | None = None,
+    local_size: int | None = None,
+    use_vmap: bool = False,
+    **kwargs,
+) -> torch.Tensor | None:
+    """Mask function for `create_causal_mask`: None (no mask) when attention is plain causal.
+
+    "Plain" = no padding mask, no cache offset, q and kv of equal length, no sliding window in
+    reach and no extra mask pattern (use_vmap marks or/and mask functions). HF switches its own
+    "is causal" shortcut off when it detects packed position_ids, so this ignores
+    `allow_is_causal_skip`: the attention function handles packing itself. Anything else
+    (generation with a cache, padded batches) gets HF's ordinary SDPA mask.
+    """
+    from transformers.masking_utils import sdpa_mask
+
+    no_padding = attention_mask is None or (attention_mask.ndim == 2 and bool(attention_mask.all()))
+    if (
+        no_padding
+        and not use_vmap
+        and isinstance(q_offset, int) and q_offset == 0
+        and isinstance(kv_offset, int) and kv_offset == 0
+        and q_length == kv_length
+        and (local_size is None or kv_length < local_size)
+    ):
+        return None
+    return sdpa_mask(
+        batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
+        kv_offset=kv_offset, attention_mask=attention_mask, local_size=local_size,
+        use_vmap=use_vmap, **kwargs,
+    )
+
+
+def packed_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """HF attention function. query (B, Hq, T, D), key/value (B, Hkv, T, D) -> (B, T, Hq, D)."""
+    ctx: PackedContext | None = kwargs.get(CTX_KWARG)
+    if scaling is None:
+        scaling = query.shape[-1] ** -0.5
+    if ctx is None:
+        return _unpacked_attention(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
+    if query.shape[0] != 1:
+        raise ValueError(f"packed attention takes one packed row (batch size 1), got {query.shape[0]}")
+    if attention_mask is not None:
+        raise ValueError("pass no attention_mask with a PackedContext: cu_seqlens define the sequences")
+    sp = 1 if ctx.sp_group is None else torch.distributed.get_world_size(ctx.sp_group)
+    window = kwargs.get("sliding_window")
+    if window is not None and ctx.max_seqlen * sp > window:
+        raise NotImplementedError(
+            f"sliding window {window} is shorter than a packed sequence ({ctx.max_seqlen * sp} tokens)")
+    if ctx.bounds[-1] != query.shape[2]:
+        raise ValueError(f"cu_seqlens end at {ctx.bounds[-1]} but the row has {query.shape[2]} tokens")
+
+    if ctx.sp_group is not None:
+        if dropout > 0:
+            raise NotImplementedError("attention dropout is not supported with ring attention")
+        q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # (T, H, D)
+        out = ring_attention(q, k, v, ctx.cu_seqlens, ctx.max_seqlen, ctx.sp_group, scale=scaling)
+        return out[None], None
+    flash = _flash_varlen() if query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) else None
+    if flash is not None:
+        q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))
+        cu = ctx.cu_seqlens.to(device=q.device, dtype=torch.int32)
+        out = flash(q, k, v, cu, cu, ctx.max_seqlen, ctx.max_seqlen, dropout_p=dropout,
+                    softmax_scale=scaling, causal=True)
+        return out[None], None
+    return _causal_per_sequence(query, key, value, ctx.bounds, scaling, dropout), None
+
+
+def _flash_varlen():
+    """flash_attn.flash_attn_varlen_func, or None. Written against flash-attn 2.x (GQA via fewer
+    K/V heads, (total, heads, dim) layout); untested here: no GPU on the development machines."""
+    try:
+        from flash_attn import flash_attn_varlen_func
+    except ImportError:
+        return None
+    return flash_attn_varlen_func
+
+
+def _causal_per_sequence(query, key, value, bounds, scaling, dropout) -> torch.Tensor:
+    """Causal SDPA over each [start, end) slice of the row; exact, and no T x T mask."""
+    gqa = query.shape[1] != key.shape[1]
+    outs = [
+        F.scaled_dot_product_attention(
+            query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], is_causal=True, scale=scaling,
+            dropout_p=dropout, enable_gqa=gqa,
+        )
+        for s, e in zip(bounds[:-1], bounds[1:]) if e > s
+    ]
+    return torch.cat(outs, dim=2).transpose(1, 2)
+
+
+def _unpacked_attention(module, query, key, value, attention_mask, scaling, dropout, **kwargs):
+    """No context: HF "sdpa" semantics, but packed position_ids (restarts) stay correct too."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import find_packed_sequence_indices
+
+    position_ids = kwargs.get("position_ids")
+    batch, _, q_len, _ = query.shape
+    if attention_mask is None and position_ids is not None and q_len == key.shape[2] > 1:
+        seq_idx = find_packed_sequence_indices(position_ids.expand(batch, -1))
+        if seq_idx is not None and batch == 1:
+            counts = torch.bincount(seq_idx[0]).tolist()
+            bounds = [0]
+            for n in counts:
+                bounds.append(bounds[-1] + n)
+            return _causal_per_sequence(query, key, value, bounds, scaling, dropout), None
+        if seq_idx is not None:  # several packed rows: a block-causal mask (rare fallback)
+            same = seq_idx[:, None, :, None] == seq_idx[:, None, None, :]
+            attention_mask = same & torch.ones(q_len, q_len, dtype=torch.bool,
+                                               device=query.device).tril()
+    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                  scaling=scaling, **kwargs)

@@ -1,0 +1,168 @@
+"""Generated tokens/s of the embedded TorchEngine vs HF `generate` on a tiny random Qwen2.
+
+    python benchmarks/bench_engine.py [--hidden 128 --layers 4 --vocab 1024 --repeats 3]
+
+(a) one batch: many mixed-length prompts submitted at once (HF: one left-padded generate call).
+(b) multi-turn, staggered: agents start at different times; each turn generates a response of its
+    own length, then an "environment" sleeps a few ms and appends observation tokens. HF baseline:
+    static batching (every request waiting at that moment goes into one generate call, run to the
+    longest response in the batch). Same tokens are counted for both; greedy, eos disabled.
+Prints the median of `--repeats` runs and the engine / HF ratio.
+"""
+import argparse
+import asyncio
+import random
+import statistics
+import time
+
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from RL2.rollout.engine import SamplingParams
+from RL2.rollout.torch_engine import TorchEngine
+
+
+def build_model(args):
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=2 * args.hidden,
+                      num_hidden_layers=args.layers, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=2048)
+    return Qwen2ForCausalLM(cfg).eval()
+
+
+@torch.no_grad()
+def hf_generate(model, prompts, max_new_tokens):
+    width = max(map(len, prompts))
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):], mask[i, width - len(p):] = torch.tensor(p), 1
+    out = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new_tokens,
+                         eos_token_id=None, pad_token_id=0)
+    return out[:, width:].tolist()
+
+
+def one_batch_workload(args, rng):
+    prompts = [[rng.randrange(args.vocab) for _ in range(rng.randint(8, 64))] for _ in range(args.prompts)]
+    return prompts, args.max_new_tokens
+
+
+def bench_one_batch(model, engine, args):
+    prompts, new = one_batch_workload(args, random.Random(0))
+    tokens = len(prompts) * new
+
+    def run_hf():
+        hf_generate(model, prompts, new)
+
+    async def run_engine():
+        params = SamplingParams(temperature=0, max_new_tokens=new)
+        await asyncio.gather(*[engine.generate(p, params) for p in prompts])
+    return tokens, run_hf, lambda: asyncio.run(run_engine())
+
+
+def agent_plan(args, seed):
+    """Per agent: start delay, first prompt, and per turn (response length, env delay, obs tokens)."""
+    rng = random.Random(seed)
+    plans = []
+    for _ in range(args.agents):
+        turns = [(rng.randint(8, args.max_new_tokens), rng.uniform(0.0, 0.02),
+                  [rng.randrange(args.vocab) for _ in range(rng.randint(4, 16))]) for _ in range(args.turns)]
+        plans.append((rng.uniform(0, 0.05), [rng.randrange(args.vocab) for _ in range(rng.randint(8, 48))], turns))
+    return plans
+
+
+async def run_agents(plans, generate):
+    async def agent(start, prompt, turns):
+        await asyncio.sleep(start)
+        context = list(prompt)
+        for length, delay, obs in turns:
+            response = await generate(context, length)
+            assert len(response) == length
+            await asyncio.sleep(delay)  # the environment step
+            context += response + obs
+    await asyncio.gather(*[agent(*plan) for plan in plans])
+
+
+class StaticBatcher:
+    """HF baseline server: batch whatever is waiting, run generate to the longest request."""
+
+    def __init__(self, model):
+        self.model, self.waiting, self.wakeup = model, [], None
+
+    async def generate(self, prompt, length):
+        fut = asyncio.get_running_loop().create_future()
+        self.waiting.append((prompt, length, fut))
+        self.wakeup.set()
+        return await fut
+
+    async def serve(self):
+        while True:
+            await self.wakeup.wait()
+            self.wakeup.clear()
+            batch, self.waiting = self.waiting, []
+            if not batch:
+                continue
+            outs = hf_generate(self.model, [p for p, _, _ in batch], max(n for _, n, _ in batch))
+            for (_, n, fut), out in zip(batch, outs):
+                fut.set_result(out[:n])
+            await asyncio.sleep(0)
+
+
+def bench_multi_turn(model, engine, args):
+    plans = agent_plan(args, seed=1)
+    tokens = sum(n for _, _, turns in plans for n, _, _ in turns)
+
+    async def run_hf():
+        server = StaticBatcher(model)
+        server.wakeup = asyncio.Event()
+        task = asyncio.create_task(server.serve())
+        await run_agents(plans, server.generate)
+        task.cancel()
+
+    async def run_engine():
+        async def gen(context, length):
+            out = await engine.generate(context, SamplingParams(temperature=0, max_new_tokens=length))
+            return out[0].token_ids
+        await run_agents(plans, gen)
+    return tokens, lambda: asyncio.run(run_hf()), lambda: asyncio.run(run_engine())
+
+
+def timed(fn, repeats):
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--hidden", type=int, default=128)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--vocab", type=int, default=1024)
+    parser.add_argument("--prompts", type=int, default=32, help="(a) number of prompts")
+    parser.add_argument("--agents", type=int, default=32, help="(b) number of agents")
+    parser.add_argument("--turns", type=int, default=4, help="(b) turns per agent")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    model = build_model(args)
+    engine = TorchEngine(model, None)
+    rows = []
+    for name, bench in [("(a) one batch", bench_one_batch), ("(b) multi-turn staggered", bench_multi_turn)]:
+        tokens, run_hf, run_engine = bench(model, engine, args)
+        t_hf, t_engine = timed(run_hf, args.repeats), timed(run_engine, args.repeats)
+        rows.append((name, tokens, tokens / t_engine, tokens / t_hf))
+    print(f"model: hidden {args.hidden}, layers {args.layers}, vocab {args.vocab}; "
+          f"threads {args.threads}; median of {args.repeats}")
+    print(f"{'workload':<26}{'tokens':>8}{'engine tok/s':>14}{'HF tok/s':>12}{'engine/HF':>11}")
+    for name, tokens, eng, hf in rows:
+        print(f"{name:<26}{tokens:>8}{eng:>14.0f}{hf:>12.0f}{eng / hf:>11.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,141 @@
+"""Packed attention ("rl2_packed") on tiny HF models == every sequence forwarded alone with HF."""
+import copy
+
+import pytest
+import torch
+from transformers import (
+    AttentionInterface, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
+    Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM,
+)
+from transformers.masking_utils import AttentionMaskInterface, create_causal_mask
+
+from RL2.parallel import attention
+from RL2.parallel.attention import NAME, PackedContext, packed_kwargs, register
+
+ARCHS = {
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+    "llama": (LlamaConfig, LlamaForCausalLM),
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+    "mistral": (MistralConfig, MistralForCausalLM),
+}
+VOCAB = 96
+LENGTHS = [5, 9, 7]
+
+
+def tiny_config(arch):
+    cfg_cls, _ = ARCHS[arch]
+    # 4 query heads over 2 K/V heads: exercises GQA
+    return cfg_cls(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                   max_position_embeddings=64, tie_word_embeddings=False)
+
+
+def build(arch, attn, state=None):
+    # a fresh config per model: from_config records attn_implementation on the config object
+    _, model_cls = ARCHS[arch]
+    torch.manual_seed(0)
+    model = model_cls._from_config(copy.deepcopy(tiny_config(arch)), attn_implementation=attn,
+                                   dtype=torch.float32)
+    if state is not None:
+        model.load_state_dict(state)
+    return model
+
+
+def packed_batch(lengths=LENGTHS, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    seqs = [torch.randint(0, VOCAB, (n,), generator=g) for n in lengths]
+    pos = torch.cat([torch.arange(n) for n in lengths])
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    ctx = PackedContext(cu_seqlens=cu, max_seqlen=max(lengths))
+    weights = torch.randn(sum(lengths), VOCAB, generator=g)  # a loss that touches every logit
+    return seqs, pos, ctx, weights
+
+
+def grads(model):
+    return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def test_register_is_idempotent():
+    assert register() == register() == NAME
+    assert AttentionInterface._global_mapping[NAME] is attention.packed_attention_forward
+    assert AttentionMaskInterface._global_mapping[NAME] is attention.packed_mask
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+@pytest.mark.parametrize("ref_attn", ["sdpa", "eager"])
+def test_packed_equals_separate_sequences(arch, ref_attn):
+    packed = build(arch, register())
+    ref = build(arch, ref_attn, packed.state_dict())
+    seqs, pos, ctx, weights = packed_batch()
+
+    logits = packed(input_ids=torch.cat(seqs)[None], position_ids=pos[None], use_cache=False,
+                    **packed_kwargs(ctx)).logits[0]
+    (logits * weights).sum().backward()
+
+    ref_logits, start = [], 0
+    for seq in seqs:
+        out = ref(input_ids=seq[None], use_cache=False).logits[0]
+        (out * weights[start:start + len(seq)]).sum().backward()
+        ref_logits.append(out)
+        start += len(seq)
+    torch.testing.assert_close(logits, torch.cat(ref_logits), atol=1e-5, rtol=0)
+    ref_grads = grads(ref)
+    for name, g in grads(packed).items():
+        torch.testing.assert_close(g, ref_grads[name], atol=1e-5, rtol=1e-5, msg=name)
+
+
+def test_no_token_by_token_mask_is_built():
+    # the model's own mask step: HF would build a (1, 1, T, T) block mask for packed position_ids
+    seqs, pos, ctx, _ = packed_batch()
+    embeds = torch.zeros(1, len(pos), 32)
+    for attn, expect_mask in ((register(), False), ("sdpa", True)):
+        config = build("qwen2", attn).config
+        mask = create_causal_mask(config=config, inputs_embeds=embeds, attention_mask=None,
+                                  past_key_values=None, position_ids=pos[None])
+        assert (mask is not None) == expect_mask, attn
+        if expect_mask:
+            assert mask.shape[-2:] == (len(pos), len(pos))
+
+    # and inside a real forward every layer gets attention_mask=None plus the context
+    seen = []
+
+    def spy(module, query, key, value, attention_mask, **kwargs):
+        seen.append((attention_mask, kwargs.get(attention.CTX_KWARG)))
+        return attention.packed_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+    AttentionInterface.register("rl2_packed_spy", spy)
+    AttentionMaskInterface.register("rl2_packed_spy", attention.packed_mask)
+    model = build("qwen2", "rl2_packed_spy")
+    model(input_ids=torch.cat(seqs)[None], position_ids=pos[None], use_cache=False,
+          **packed_kwargs(ctx))
+    assert len(seen) == 2 and all(mask is None and c is ctx for mask, c in seen)
+
+
+def test_bad_context_is_rejected():
+    model = build("llama", register())
+    seqs, pos, _, _ = packed_batch()
+    bad = PackedContext(torch.tensor([0, 5, 14, 20], dtype=torch.int32), 9)  # row has 21 tokens
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        model(input_ids=torch.cat(seqs)[None], position_ids=pos[None], use_cache=False,
+              **packed_kwargs(bad))
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_without_context_behaves_like_sdpa(arch):
+    model = build(arch, register())
+    ref = build(arch, "sdpa", model.state_dict())
+    seqs, pos, _, _ = packed_batch()
+    with torch.no_grad():
+        # packed position_ids but no context: sequences found from the position restarts
+        out = model(input_ids=torch.cat(seqs)[None], position_ids=pos[None], use_cache=False).logits[0]
+        alone = torch.cat([ref(input_ids=s[None]).logits[0] for s in seqs])
+        torch.testing.assert_close(out, alone, atol=1e-5, rtol=0)
+        # a left-padded batch with an attention mask (the generate path)
+        ids = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(3))
+        mask = torch.ones_like(ids)
+        mask[0, :3] = 0
+        kw = dict(input_ids=ids, attention_mask=mask)
+        torch.testing.assert_close(model(**kw).logits * mask[..., None],
+                                   ref(**kw).logits * mask[..., None], atol=1e-5, rtol=0)
+    gen = dict(max_new_tokens=6, do_sample=False, pad_token_id=0, **kw)
+    assert torch.equal(model.generate(**gen), ref.generate(**gen))

@@ -1,0 +1,289 @@
+"""TorchEngine against HF references: greedy == model.generate, log-probs == HF forward,
+sampling, stops, n, seeds, weight updates, bad inputs, memory release, make_engine."""
+import asyncio
+import random
+import string
+
+import pytest
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from RL2.rollout.engine import GenerationOutput, SamplingParams, make_engine
+from RL2.rollout.torch_engine import TorchEngine
+
+VOCAB = 64
+EOS = 63
+
+
+class CharTokenizer:
+    """Id-level fake tokenizer: token i decodes to one known character (eos = '.')."""
+    chars = string.ascii_letters + string.digits + " ."
+    eos_token_id = EOS
+
+    def decode(self, ids, skip_special_tokens=False):
+        return "".join(self.chars[i] for i in ids)
+
+
+def tiny_model(seed=0, tie=False, max_pos=128):
+    torch.manual_seed(seed)
+    cfg = Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_pos,
+                      initializer_range=0.2, tie_word_embeddings=tie)
+    return Qwen2ForCausalLM(cfg).eval()
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model()
+
+
+def random_prompts(n, seed=0, lo=1, hi=30):
+    rng = random.Random(seed)
+    return [[rng.randrange(VOCAB - 1) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def hf_greedy(model, prompt, max_new_tokens, eos=EOS):
+    ids = torch.tensor([prompt])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                         max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=0)
+    tokens = out[0, len(prompt):].tolist()
+    return tokens[:tokens.index(eos) + 1] if eos in tokens else tokens
+
+
+def hf_logprobs(model, prompt, tokens, temperature):
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1]
+    return torch.log_softmax(logits / temperature, -1).gather(1, torch.tensor(tokens)[:, None])[:, 0]
+
+
+async def staggered(engine, jobs, gap=3):
+    """Submit (prompt, params) jobs one by one, `gap` event-loop turns apart, so that later
+    requests join a batch that is already decoding."""
+    async def one(i, prompt, params):
+        for _ in range(i * gap):
+            await asyncio.sleep(0)
+        return await engine.generate(prompt, params)
+    return await asyncio.gather(*[one(i, p, s) for i, (p, s) in enumerate(jobs)])
+
+
+def test_greedy_matches_hf_generate_concurrent_and_staggered(model, monkeypatch):
+    engine = TorchEngine(model, CharTokenizer())
+    merges = []
+    orig_merge = engine._merge
+    monkeypatch.setattr(engine, "_merge", lambda *a: (merges.append(engine._cache is not None), orig_merge(*a)))
+    prompts = random_prompts(12)
+    lengths = [5 + 3 * (i % 5) for i in range(12)]
+    jobs = [(p, SamplingParams(temperature=0, max_new_tokens=k)) for p, k in zip(prompts, lengths)]
+    together = asyncio.run(staggered(engine, jobs, gap=0))
+    apart = asyncio.run(staggered(engine, jobs, gap=4))
+    assert any(merges), "no request joined a running batch"
+    for (prompt, params), a, b in zip(jobs, together, apart):
+        ref = hf_greedy(model, prompt, params.max_new_tokens)
+        assert a[0].token_ids == ref and b[0].token_ids == ref
+        assert a[0].finish_reason == ("stop" if ref[-1] == EOS else "length")
+        torch.testing.assert_close(torch.tensor(a[0].logprobs), hf_logprobs(model, prompt, ref, 1.0),
+                                   atol=1e-5, rtol=0)
+    assert not engine._rows and engine._cache is None
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=1.3, max_new_tokens=12, n=2, seed=1),
+    SamplingParams(temperature=0.7, top_k=8, top_p=0.9, max_new_tokens=12, n=2, seed=2),
+])
+def test_sampled_logprobs_match_hf_forward(model, params):
+    engine = TorchEngine(model, None)
+    prompts = random_prompts(6, seed=1)
+    outs = asyncio.run(staggered(engine, [(p, params) for p in prompts], gap=2))
+    for prompt, samples in zip(prompts, outs):
+        assert len(samples) == params.n
+        for s in samples:
+            ref = hf_logprobs(model, prompt, s.token_ids, params.temperature)
+            torch.testing.assert_close(torch.tensor(s.logprobs), ref, atol=1e-5, rtol=0)
+            if params.top_k > 0:  # every sampled token lies in the top-k / nucleus of its step
+                with torch.no_grad():
+                    logits = model(torch.tensor([prompt + s.token_ids])).logits[0, len(prompt) - 1:-1]
+                probs, order = torch.softmax(logits / params.temperature, -1).sort(-1, descending=True)
+                rank = (order == torch.tensor(s.token_ids)[:, None]).int().argmax(-1)
+                assert (rank < params.top_k).all()
+                mass_before = (probs.cumsum(-1) - probs).gather(1, rank[:, None])[:, 0]
+                assert (mass_before < params.top_p).all()
+
+
+def test_sampling_distribution(model):
+    """Empirical next-token frequencies follow the (filtered) softmax."""
+    engine = TorchEngine(model, None)
+    prompt = [3, 14, 15, 9]
+    with torch.no_grad():
+        probs = torch.softmax(model(torch.tensor([prompt])).logits[0, -1] / 0.8, -1)
+    for top_k in (-1, 4):
+        params = SamplingParams(temperature=0.8, top_k=top_k, max_new_tokens=1, n=4000, seed=top_k)
+        outs = asyncio.run(engine.generate(prompt, params))
+        counts = torch.bincount(torch.tensor([o.token_ids[0] for o in outs]), minlength=VOCAB).double()
+        expected = probs.double().clone()
+        if top_k > 0:
+            expected[expected.argsort(descending=True)[top_k:]] = 0
+        expected /= expected.sum()
+        assert (counts[expected == 0] == 0).all()
+        assert (counts / 4000 - expected).abs().max() < 0.03
+
+
+def test_seeded_sampling_reproducible_and_batch_independent(model):
+    engine = TorchEngine(model, None)
+    params = SamplingParams(temperature=1.0, top_p=0.95, max_new_tokens=10, n=3, seed=123)
+    prompt = random_prompts(1, seed=5)[0]
+    alone = asyncio.run(engine.generate(prompt, params))
+    others = [(p, SamplingParams(temperature=1.0, max_new_tokens=15)) for p in random_prompts(5, seed=6)]
+    crowded = asyncio.run(staggered(engine, others[:2] + [(prompt, params)] + others[2:], gap=1))[2]
+    assert [o.token_ids for o in alone] == [o.token_ids for o in crowded]
+    assert len({tuple(o.token_ids) for o in alone}) == 3  # the n samples differ
+    other_seed = asyncio.run(engine.generate(prompt, SamplingParams(**{**params.__dict__, "seed": 124})))
+    assert [o.token_ids for o in other_seed] != [o.token_ids for o in alone]
+
+
+def test_stop_strings_and_stop_ids(model):
+    tok = CharTokenizer()
+    engine = TorchEngine(model, tok)
+    prompt = random_prompts(1, seed=7)[0]
+    free = asyncio.run(engine.generate(prompt, SamplingParams(temperature=0, max_new_tokens=30)))[0]
+    tokens = free.token_ids
+    assert EOS not in tokens and len(tokens) == 30, "pick another prompt: this one hits eos"
+    # Stop string = 2 characters starting at index 6: output ends with the token completing it.
+    stop = tok.decode(tokens[6:8])
+    first = next(k for k in range(1, 31) if stop in tok.decode(tokens[:k]))
+    out = asyncio.run(engine.generate(prompt, SamplingParams(temperature=0, max_new_tokens=30, stop=["zzz", stop])))[0]
+    assert out.token_ids == tokens[:first] and out.finish_reason == "stop"
+    assert out.logprobs == pytest.approx(free.logprobs[:first], abs=1e-6)
+    # Stop token id: kept as the last token.
+    sid = tokens[10]
+    out = asyncio.run(engine.generate(prompt, SamplingParams(temperature=0, max_new_tokens=30, stop_token_ids=[sid])))[0]
+    assert out.token_ids == tokens[:tokens.index(sid) + 1] and out.finish_reason == "stop"
+
+
+def test_stop_string_with_bpe_tokenizer():
+    from RL2.tools.make_assets import build_tokenizer
+    tok = build_tokenizer()
+    torch.manual_seed(1)
+    cfg = Qwen2Config(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                      initializer_range=0.2)
+    model = Qwen2ForCausalLM(cfg).eval()
+    engine = make_engine("torch", model, tok)
+    prompt = tok("the answer is")["input_ids"]
+    free = asyncio.run(engine.generate(prompt, SamplingParams(temperature=0, max_new_tokens=24, stop_token_ids=[])))[0]
+    text = tok.decode(free.token_ids)
+    stop = text[len(text) // 2: len(text) // 2 + 3]
+    first = next(k for k in range(1, len(free.token_ids) + 1) if stop in tok.decode(free.token_ids[:k]))
+    out = asyncio.run(engine.generate(prompt, SamplingParams(temperature=0, max_new_tokens=24, stop=[stop])))[0]
+    assert out.token_ids == free.token_ids[:first] and out.finish_reason == "stop"
+
+
+def test_update_weights_switches_model():
+    m1, m2 = tiny_model(seed=0, tie=True), tiny_model(seed=1, tie=True)
+    engine = TorchEngine(tiny_model(seed=0, tie=True), CharTokenizer())
+    prompts = random_prompts(4, seed=3)
+    greedy = SamplingParams(temperature=0, max_new_tokens=12)
+    run = lambda: [o[0].token_ids for o in asyncio.run(staggered(engine, [(p, greedy) for p in prompts]))]
+    assert run() == [hf_greedy(m1, p, 12) for p in prompts]
+    engine.update_weights((k, v.to(torch.bfloat16).float()) for k, v in m2.state_dict().items())
+    engine.update_weights(m2.state_dict().items())
+    assert run() == [hf_greedy(m2, p, 12) for p in prompts]
+    with pytest.raises(KeyError, match="nope"):
+        engine.update_weights([("nope", torch.zeros(1))])
+    with pytest.raises(ValueError, match="shape"):
+        engine.update_weights([("lm_head.weight", torch.zeros(3, 3))])
+
+
+def test_bad_inputs(model):
+    engine = TorchEngine(model, None, max_model_len=40)
+
+    async def gen(prompt, **kw):
+        return await engine.generate(prompt, SamplingParams(**kw))
+    for prompt, kw, msg in [
+        ([], {}, "empty prompt"),
+        ([1] * 40, {}, "max_model_len"),
+        ([1, VOCAB], {}, "token ids"),
+        ([1], {"temperature": -0.5}, "temperature"),
+        ([1], {"top_p": 0.0}, "top_p"),
+        ([1], {"top_p": 1.5}, "top_p"),
+        ([1], {"max_new_tokens": 0}, "max_new_tokens"),
+        ([1], {"n": 0}, "n must be"),
+        ([1], {"stop": ["x"]}, "tokenizer"),
+    ]:
+        with pytest.raises(ValueError, match=msg):
+            asyncio.run(gen(prompt, **kw))
+    out = asyncio.run(gen([1] * 35, temperature=0, max_new_tokens=20))[0]  # context reached
+    assert len(out.token_ids) == 5 and out.finish_reason == "length"
+
+
+def test_scheduler_error_reaches_every_caller_then_recovers(model, monkeypatch):
+    engine = TorchEngine(model, None)
+    calls = {"n": 0}
+    forward = model.forward
+
+    def flaky(*a, **kw):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("boom")
+        return forward(*a, **kw)
+    monkeypatch.setattr(model, "forward", flaky)
+
+    async def main():
+        jobs = [engine.generate(p, SamplingParams(temperature=0, max_new_tokens=10)) for p in random_prompts(4)]
+        return await asyncio.wait_for(asyncio.gather(*jobs, return_exceptions=True), timeout=30)
+    results = asyncio.run(main())
+    assert all(isinstance(r, RuntimeError) and "boom" in str(r) for r in results)
+    ok = asyncio.run(engine.generate([1, 2, 3], SamplingParams(temperature=0, max_new_tokens=4)))
+    assert ok[0].token_ids == hf_greedy(model, [1, 2, 3], 4)
+
+
+def test_cancelled_caller_is_evicted(model):
+    engine = TorchEngine(model, None)
+
+    async def main():
+        long = asyncio.create_task(engine.generate([1, 2], SamplingParams(temperature=0, max_new_tokens=100, stop_token_ids=[])))
+        short = engine.generate([3, 4], SamplingParams(temperature=0, max_new_tokens=5))
+        out = await short
+        long.cancel()
+        for _ in range(5):
+            await asyncio.sleep(0)
+        return out
+    out = asyncio.run(main())
+    assert out[0].token_ids == hf_greedy(model, [3, 4], 5)
+    assert not engine._rows
+
+
+def test_release_resume_shutdown(model):
+    engine = TorchEngine(model, None)
+
+    async def main():
+        task = asyncio.create_task(engine.generate([1, 2, 3], SamplingParams(temperature=0, max_new_tokens=100, n=2)))
+        for _ in range(6):
+            await asyncio.sleep(0)
+        engine.release_memory()
+        out = await task
+        with pytest.raises(RuntimeError, match="released"):
+            await engine.generate([1], SamplingParams())
+        engine.resume_memory()
+        return out, await engine.generate([1, 2, 3], SamplingParams(temperature=0, max_new_tokens=4))
+    aborted, fresh = asyncio.run(main())
+    assert [o.finish_reason for o in aborted] == ["abort", "abort"] and 0 < len(aborted[0].token_ids) < 100
+    assert fresh[0].token_ids == hf_greedy(model, [1, 2, 3], 4)
+    engine.shutdown()
+    with pytest.raises(RuntimeError, match="shut down"):
+        asyncio.run(engine.generate([1], SamplingParams()))
+
+
+def test_make_engine(tmp_path, model):
+    engine = make_engine("auto", model, None)
+    assert isinstance(engine, TorchEngine)
+    model.save_pretrained(tmp_path)
+    engine = make_engine("torch", str(tmp_path), None, max_batch_size=8)
+    out = asyncio.run(engine.generate([5, 6], SamplingParams(temperature=0, max_new_tokens=6)))
+    assert out == [GenerationOutput(out[0].token_ids, out[0].logprobs, out[0].finish_reason)]
+    assert out[0].token_ids == hf_greedy(model, [5, 6], 6)
+    with pytest.raises(ValueError, match="unknown engine"):
+        make_engine("vllm", model, None)
+    import importlib.util
+    if importlib.util.find_spec("sglang") is None:
+        with pytest.raises(ImportError, match="SGLang extra"):
+            make_engine("sglang", str(tmp_path), None)

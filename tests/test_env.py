@@ -190,3 +190,26 @@ def test_close_hook_errors_are_swallowed(tmp_path):
     """), {})
     run(env.close({"uid": "z"}))
     assert env.module.CLOSED == ["z"]
+
+
+def test_own_timeout_error_is_not_reported_as_env_timeout(tmp_path):
+    env = load_env(write_env(tmp_path, "def step(s, a, e):\n    raise TimeoutError('db slow')\n"), {}, timeout=5)
+    with pytest.raises(TimeoutError, match="db slow") as info:
+        run(env.step("s", "a", {}))
+    assert not isinstance(info.value, EnvTimeout)
+
+
+def test_sys_exit_in_sync_step_becomes_env_error(tmp_path):
+    env = load_env(write_env(tmp_path, "import sys\ndef step(s, a, e):\n    sys.exit(3)\n"), {})
+    with pytest.raises(EnvError, match="step raised SystemExit"):
+        run(env.step("s", "a", {}))
+
+
+def test_sync_wrapper_returning_a_coroutine(tmp_path):
+    env = load_env(write_env(tmp_path, """
+        async def _step(state, action, extra_info):
+            return {"next_state": None, "reward": 2, "done": True}
+        def step(state, action, extra_info):
+            return _step(state, action, extra_info)
+    """), {})
+    assert run(env.step("s", "a", {}))["reward"] == 2.0

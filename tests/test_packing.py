@@ -8,9 +8,7 @@ import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from RL2.data.packing import (
-    MicroBatch, karmarkar_karp, pack, padded_length, plan_micro_batches, unpack,
-)
+from RL2.data.packing import karmarkar_karp, pack, padded_length, plan_micro_batches, unpack
 from tests.dist_utils import run_dist
 
 logger = logging.getLogger(__name__)

@@ -29,7 +29,7 @@ class DataError(ValueError):
 
 
 def _where(source, row_index) -> str:
-    return f"{source or '<rows>'} row {row_index}"
+    return f"{source or '<rows>'} row {'?' if row_index is None else row_index}"
 
 
 def _get(row, key, where):
@@ -52,7 +52,8 @@ def _as_messages(value, role, key, where) -> list[dict]:
         return [{"role": role, "content": value}]
     if isinstance(value, (list, tuple)) and value:
         for j, m in enumerate(value):
-            if not (hasattr(m, "get") and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+            ok = hasattr(m, "get") and all(isinstance(m.get(f), str) for f in ("role", "content"))
+            if not ok:
                 raise DataError(f"{where}: key '{key}' message {j} needs string 'role' and 'content'")
         return [dict(m) for m in value]
     raise DataError(f"{where}: key '{key}' must be a non-empty string or list of messages")
@@ -78,16 +79,16 @@ def _encode(tokenizer, text, special=False) -> list[int]:
     return tokenizer(text, add_special_tokens=special)["input_ids"] if text else []
 
 
-def chat_tokens(tokenizer, messages, where, key="messages") -> tuple[list[int], list[int]]:
-    """Tokens of a chat conversation and a per-token mask: 1 on assistant tokens."""
-    last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=None)
-    if last is None:
+def chat_tokens(tokenizer, messages, where, key="messages", train_from=0):
+    """(tokens, mask) of a chat conversation: mask 1 on the tokens of assistant messages with
+    index >= `train_from` (earlier ones, e.g. few-shot turns inside a prompt, are context)."""
+    trained = [i for i, m in enumerate(messages) if m["role"] == "assistant" and i >= train_from]
+    if not trained:
         raise DataError(f"{where}: key '{key}' has no assistant message to train on")
     segments, done = [], ""  # (text, trained); `done` = text rendered so far
     eos = tokenizer.eos_token
-    for i, m in enumerate(messages[: last + 1]):
-        if m["role"] != "assistant":
-            continue
+    for i in trained:
+        m = messages[i]
         if i == 0:
             raise DataError(f"{where}: key '{key}' starts with an assistant message (no prompt)")
         if not m["content"].strip():
@@ -105,10 +106,10 @@ def chat_tokens(tokenizer, messages, where, key="messages") -> tuple[list[int], 
         segments += [(prompt[len(done):], 0), (turn[:cut], 1), (turn[cut:], 0)]
         done = full
     tokens, mask = [], []
-    for text, trained in segments:
+    for text, flag in segments:
         ids = _encode(tokenizer, text)
         tokens += ids
-        mask += [trained] * len(ids)
+        mask += [flag] * len(ids)
     return tokens, mask
 
 
@@ -125,8 +126,9 @@ def _response_tokens(tokenizer, context, context_key, response, response_key, ap
     """Tokens/mask of `context` (prompt text or messages) followed by `response` (text or messages)."""
     if apply_chat_template or not isinstance(context, str) or not isinstance(response, str):
         messages = _as_messages(context, "user", context_key, where)
+        n_context = len(messages)
         messages += _as_messages(response, "assistant", response_key, where)
-        return chat_tokens(tokenizer, messages, where, key=response_key)
+        return chat_tokens(tokenizer, messages, where, key=response_key, train_from=n_context)
     return raw_tokens(
         tokenizer, _text(context, context_key, where), _text(response, response_key, where), where
     )

@@ -17,9 +17,9 @@ is called once at load time if the script defines it, and every trajectory's `ex
 as `{**env_args, **row_extra_info, "uid": uid}` (values in the prompt row win).
 
 Timeouts (`timeout` seconds, None or <= 0 disables) really fire for both kinds of hook:
-- async hooks run on the caller's event loop under `asyncio.wait_for`; they must not block the
+- async hooks run on the caller's event loop under `asyncio.timeout`; they must not block the
   loop (use `asyncio.to_thread` for blocking work inside them).
-- sync hooks run in a fresh *daemon* thread per call, awaited with `asyncio.wait_for`. A sync call
+- sync hooks run in a fresh *daemon* thread per call, awaited under the same timeout. A sync call
   cannot be interrupted: on timeout its thread is ABANDONED (it keeps running in the background
   until it returns, its result is dropped). Daemon threads never block interpreter exit, unlike
   the default executor used by `asyncio.to_thread`, whose workers are joined at exit and which a
@@ -56,7 +56,7 @@ def _is_async(fn: Callable) -> bool:
 
 async def _run_sync_in_daemon_thread(fn: Callable, *args) -> Any:
     """Run a blocking call in its own daemon thread; the returned awaitable can be cancelled
-    (e.g. by wait_for) while the thread keeps running and its result is discarded."""
+    (e.g. by a timeout) while the thread keeps running and its result is discarded."""
     loop = asyncio.get_running_loop()
     fut = loop.create_future()
     ctx = contextvars.copy_context()
@@ -72,8 +72,10 @@ async def _run_sync_in_daemon_thread(fn: Callable, *args) -> Any:
     def target():
         try:
             result, exc = ctx.run(fn, *args), None
-        except BaseException as e:  # delivered to the awaiting coroutine, not lost in the thread
+        except Exception as e:  # delivered to the awaiting coroutine, not lost in the thread
             result, exc = None, e
+        except BaseException as e:  # sys.exit() in a user step must not stop the rollout
+            result, exc = None, EnvError(f"{getattr(fn, '__name__', 'env call')} raised {type(e).__name__}: {e}")
         try:
             loop.call_soon_threadsafe(deliver, result, exc)
         except RuntimeError:  # the loop was closed while this abandoned call was running
@@ -105,9 +107,16 @@ class Env:
 
     async def _call(self, name: str, fn: Callable, *args) -> Any:
         call = fn(*args) if _is_async(fn) else _run_sync_in_daemon_thread(fn, *args)
+        deadline = asyncio.timeout(self.timeout)
         try:
-            return await asyncio.wait_for(call, self.timeout)
-        except asyncio.TimeoutError:
+            async with deadline:
+                out = await call
+                if inspect.isawaitable(out):  # a sync wrapper that returned a coroutine
+                    out = await out
+            return out
+        except TimeoutError:
+            if not deadline.expired():  # the env's own TimeoutError: an ordinary failure
+                raise
             kind = "async" if _is_async(fn) else "sync (its thread is abandoned and keeps running)"
             raise EnvTimeout(f"{name}() of env {self.path} timed out after {self.timeout}s [{kind}]") from None
 

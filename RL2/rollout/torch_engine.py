@@ -34,6 +34,7 @@ import asyncio
 import gc
 import logging
 import random
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Iterable
 
@@ -67,10 +68,13 @@ class TorchEngine(Engine):
     def __init__(self, model, tokenizer=None, *, device: str | torch.device | None = None,
                  dtype: torch.dtype | str = torch.float32, max_model_len: int | None = None,
                  max_batch_size: int = 256, max_prefill_tokens: int = 16384,
-                 attn_implementation: str = "sdpa", offload_weights: bool = True, seed: int = 0):
+                 prefix_cache_tokens: int = 65536, attn_implementation: str = "sdpa",
+                 offload_weights: bool = True, seed: int = 0):
         """`model`: HF directory or an nn.Module (used as is, not copied). `tokenizer`: HF
         tokenizer, a path, or None (then no stop strings and no implicit eos). `offload_weights`:
-        release_memory also moves the weights to CPU (only when the device is not CPU)."""
+        release_memory also moves the weights to CPU (only when the device is not CPU).
+        `prefix_cache_tokens`: KV of finished samples kept for reuse by later prompts that extend
+        them (0 disables)."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         if isinstance(dtype, str):
@@ -90,6 +94,9 @@ class TorchEngine(Engine):
         self.max_model_len = int(max_model_len or cfg.max_position_embeddings)
         self.max_batch_size, self.max_prefill_tokens = max_batch_size, max_prefill_tokens
         self.offload_weights = offload_weights
+        self.prefix_cache_tokens = prefix_cache_tokens
+        self.clear_prefix_cache()
+        self.stats = {"prefill_tokens": 0, "cached_prompt_tokens": 0}
         eos = getattr(tokenizer, "eos_token_id", None)
         self._eos_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
         self._rng = random.Random(seed)
@@ -136,6 +143,7 @@ class TorchEngine(Engine):
     @torch.no_grad()
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         # keep_vars gives the live parameters; tied weights appear under both names.
+        self.clear_prefix_cache()  # cached KV belongs to the old weights
         targets = self.model.state_dict(keep_vars=True)
         for name, tensor in named_tensors:
             if name not in targets:
@@ -151,6 +159,7 @@ class TorchEngine(Engine):
         moves the weights to CPU when offload_weights is set and the device is not CPU."""
         tags = set(tags or ("weights", "kv_cache"))
         self._abort_all()
+        self.clear_prefix_cache()
         if "weights" in tags and self.offload_weights and self.device.type != "cpu":
             self.model.to("cpu")
         self._released |= tags
@@ -243,10 +252,11 @@ class TorchEngine(Engine):
     def _admit(self) -> None:
         from transformers import DynamicCache
 
-        batch, rows, width = [], len(self._rows), 0
+        batch, hits, rows, width = [], [], len(self._rows), 0
         while self._waiting:
             req = self._waiting[0]
-            new_width = max(width, len(req.prompt))
+            hit = self._prefix_lookup(req.prompt)
+            new_width = max(width, len(req.prompt) - hit[0])
             fits = (rows + req.params.n <= self.max_batch_size
                     and new_width * (len(batch) + 1) <= self.max_prefill_tokens)
             if not fits and (batch or rows):
@@ -255,18 +265,37 @@ class TorchEngine(Engine):
             if req.future.done():  # caller gave up before admission
                 continue
             batch.append(req)
+            hits.append(hit)
             rows, width = rows + req.params.n, new_width
         if not batch:
             return
+        # Row layout: [pad | cached prefix | pad | new prompt tokens]; holes are masked and
+        # position ids count real tokens only, so the gap changes nothing.
+        past = max(n for n, _ in hits)
         ids = torch.zeros(len(batch), width, dtype=torch.long)
-        mask = torch.zeros(len(batch), width, dtype=torch.long)
-        for i, req in enumerate(batch):
-            ids[i, width - len(req.prompt):] = torch.tensor(req.prompt)
-            mask[i, width - len(req.prompt):] = 1
+        mask = torch.zeros(len(batch), past + width, dtype=torch.long)
+        for i, (req, (n_hit, _)) in enumerate(zip(batch, hits)):
+            suffix = req.prompt[n_hit:]
+            ids[i, width - len(suffix):] = torch.tensor(suffix)
+            mask[i, past - n_hit:past] = 1
+            mask[i, past + width - len(suffix):] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
         cache = DynamicCache(config=self.model.config)
+        if past:
+            template = next(kv for n, kv in hits if n)
+            for li, layer in enumerate(cache.layers):
+                heads, _, dim = template[li][0].shape
+                keys = template[li][0].new_zeros(len(batch), heads, past, dim)
+                values = torch.zeros_like(keys)
+                for i, (n_hit, kv) in enumerate(hits):
+                    if n_hit:
+                        keys[i, :, past - n_hit:] = kv[li][0][:, :n_hit]
+                        values[i, :, past - n_hit:] = kv[li][1][:, :n_hit]
+                layer.update(keys, values)
+        self.stats["prefill_tokens"] += sum(len(r.prompt) - n for r, (n, _) in zip(batch, hits))
+        self.stats["cached_prompt_tokens"] += sum(n for n, _ in hits)
         out = self.model(input_ids=ids, attention_mask=mask,
-                         position_ids=(mask.cumsum(1) - 1).clamp(min=0),
+                         position_ids=(mask.cumsum(1) - 1).clamp(min=0)[:, past:],
                          past_key_values=cache, use_cache=True, logits_to_keep=1)
         # Each prompt was prefilled once; repeat its cache row for its n samples.
         src = torch.tensor([i for i, req in enumerate(batch) for _ in req.seqs], device=self.device)
@@ -282,6 +311,37 @@ class TorchEngine(Engine):
         cache.batch_select_indices(rows_src)
         self._merge(cache, mask.index_select(0, rows_src), [seqs[j] for j in keep],
                     torch.tensor([tokens[j][0] for j in keep], device=self.device))
+
+    # ---------------------------------------------------------------- prefix cache
+    def _prefix_lookup(self, prompt: list[int]) -> tuple[int, list | None]:
+        """Longest stored sequence that is a proper prefix of `prompt` (multi-turn: the previous
+        turn's context + response): (its length, per-layer (keys, values) [H, L, D])."""
+        best, best_key, prompt = 0, None, tuple(prompt)
+        for key in self._prefix:
+            if best < len(key) < len(prompt) and prompt[:len(key)] == key:
+                best, best_key = len(key), key
+        if best_key is None:
+            return 0, None
+        self._prefix.move_to_end(best_key)
+        return best, self._prefix[best_key]
+
+    def _prefix_store(self, row: int) -> None:
+        """Keep the cache row of a finished sample (prompt + all tokens but the last), LRU-bounded
+        by `prefix_cache_tokens`."""
+        seq = self._rows[row]
+        key = tuple(seq.req.prompt + seq.tokens[:-1])
+        if key in self._prefix or len(key) > self.prefix_cache_tokens:
+            return
+        cols = self._mask[row].nonzero()[:, 0]
+        self._prefix[key] = [(layer.keys[row].index_select(1, cols), layer.values[row].index_select(1, cols))
+                             for layer in self._cache.layers]
+        self._prefix_size += len(key)
+        while self._prefix_size > self.prefix_cache_tokens:
+            old, _ = self._prefix.popitem(last=False)
+            self._prefix_size -= len(old)
+
+    def clear_prefix_cache(self) -> None:
+        self._prefix, self._prefix_size = OrderedDict(), 0
 
     def _merge(self, cache, mask, seqs, last) -> None:
         lens = mask.sum(1)
@@ -320,6 +380,8 @@ class TorchEngine(Engine):
         for j, seq in enumerate(self._rows):
             if self._append(seq, *tokens[j]):
                 done[id(seq.req)] = seq.req
+                if self.prefix_cache_tokens:
+                    self._prefix_store(j)
             else:
                 keep.append(j)
         for req in done.values():

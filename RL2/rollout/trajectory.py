@@ -87,7 +87,8 @@ def _encode(tokenizer, text: str) -> list[int]:
 
 
 def _decode(tokenizer, ids: list[int]) -> str:
-    return tokenizer.decode(ids, skip_special_tokens=False)
+    # Special tokens kept and no space clean-up: the env must see what the tokens really say.
+    return tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
 
 def _turn_params(params, turn: int, room: int | None):
@@ -137,6 +138,7 @@ async def run_trajectory(engine, tokenizer, env: Env, prompt: dict, sampling_par
                 fail("reset", e)
                 return traj
             extra_info = extra_info if "uid" in extra_info else {**extra_info, "uid": uid}
+            traj.extra_info = extra_info
             ids = _encode(tokenizer, state)
         traj.prompt_text = state
         seq = _Sequence(ids)

@@ -109,11 +109,11 @@ def build_tiny_model(out_dir: str | None, tokenizer, arch: str = "qwen2", seed: 
 
 
 def _arith(rng):
-    a, b = rng.randint(0, 49), rng.randint(0, 49)
+    a, b = rng.randint(0, 9), rng.randint(0, 9)
     return f"What is {a} plus {b}?", str(a + b)
 
 
-def write_datasets(out_dir: str, n_train: int = 256, n_test: int = 32, seed: int = 0):
+def write_datasets(out_dir: str, n_train: int = 1024, n_test: int = 64, seed: int = 0):
     """SFT (raw text + chat), preference pairs and PPO prompts as JSONL files."""
     os.makedirs(out_dir, exist_ok=True)
     rng = random.Random(seed)
@@ -126,6 +126,11 @@ def write_datasets(out_dir: str, n_train: int = 256, n_test: int = 32, seed: int
     for split, n in (("train", n_train), ("test", n_test)):
         qa = [_arith(rng) for _ in range(n)]
         dump(f"sft_{split}.jsonl", [{"prompt": q, "response": f"The answer is {a}."} for q, a in qa])
+        # Half the answers are off by a little: SFT on this gives a policy that is right about
+        # half the time, which RL then improves (the quick-start demo).
+        dump(f"sft_noisy_{split}.jsonl", [
+            {"prompt": q, "response": f"The answer is {a if rng.random() < 0.5 else int(a) + rng.choice([-2, -1, 1, 2])}."}
+            for q, a in qa])
         dump(f"chat_{split}.jsonl", [{"messages": [
             {"role": "user", "content": q}, {"role": "assistant", "content": f"The answer is {a}."},
         ]} for q, a in qa])

@@ -80,8 +80,8 @@ class Actor(Worker):
         samples, groups = flatten_pairs(pairs)
         if cfg.sft_coef:
             weights = token_weights([p["chosen"]["action_mask"] for p in pairs], cfg.avg_level)
-            samples = [dict(s, loss_weight=weights[i // 2] if i % 2 == 0 else torch.zeros_like(weights[i // 2]))
-                       for i, s in enumerate(samples)]
+            samples = [dict(s, loss_weight=weights[i // 2] if i % 2 == 0 else torch.zeros_like(s["action_mask"]))
+                       for i, s in enumerate(samples)]  # NLL on the chosen side only
         ref_logps = ref_logps.to(torch.float64)
         # Every sp rank computes the same pair losses from all-reduced sequence log-probs (whose
         # backward all-reduces the gradient): scale so FSDP's sum over ranks counts them once.
@@ -106,8 +106,8 @@ class Actor(Worker):
         grad_norm = self.step()
         totals = [self.all_reduce_metric(v) for v in sums.tolist()]
         metrics = {k: v / len(pairs) for k, v in zip(DPO_METRICS[:-1], totals[:-1])}
-        if cfg.sft_coef:
-            metrics["sft_loss"] = totals[-1]
+        if cfg.sft_coef:  # loss = dpo_loss + sft_coef * sft_loss
+            metrics.update(dpo_loss=metrics["loss"], sft_loss=totals[-1])
             metrics["loss"] += cfg.sft_coef * totals[-1]
         return dict(metrics, grad_norm=grad_norm, lr=self.lr,
                     tokens=float(sum(len(s["input_ids"]) for s in samples)))

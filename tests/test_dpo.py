@@ -1,0 +1,102 @@
+"""DPO trainer end to end under torchrun/gloo: log(2) at step 0, the first step's log-probs and
+SFT term against plain HF, parallel == serial (dp, HSDP, sp), margin growth, bad input."""
+import math
+
+import pytest
+import torch
+
+from tests.run_utils import read_metrics, run_trainer, train_rows
+from tests.test_rm import assert_close
+
+SFT_COEF = 0.1
+
+
+def dpo_args(assets, *extra):
+    return [f"actor.model_name={assets['model']}", f"data.train.path={assets['data']}/pref_train.jsonl",
+            f"data.test.path={assets['data']}/pref_test.jsonl", "data.train.batch_size=16",
+            "data.test.batch_size=8", "actor.lr=1e-3", "actor.beta=0.5", f"actor.sft_coef={SFT_COEF}",
+            "trainer.total_steps=3", *extra]
+
+
+@pytest.fixture(scope="module")
+def serial(assets, tmp_path_factory):
+    """1-process references (fp32 and fp64), one micro-batch per step."""
+    out = {}
+    for dtype in ("float32", "float64"):
+        d = tmp_path_factory.mktemp(f"dpo_serial_{dtype}")
+        run_trainer("dpo", 1, dpo_args(assets, f"actor.dtype={dtype}", "actor.max_length_per_device=4096"), d)
+        out[dtype] = d
+    return out
+
+
+def test_first_step_is_log2_and_matches_hf(assets, serial):
+    first = read_metrics(serial["float32"])[0]
+    # Policy == reference: every log-ratio is 0, so the DPO loss is log(2) and margins are 0.
+    assert abs(first["train/dpo_loss"] - math.log(2)) < 1e-6
+    for key in ("train/rewards/chosen", "train/rewards/rejected", "train/rewards/margin"):
+        assert abs(first[key]) < 1e-6, key
+    assert first["train/accuracy"] == 0.0  # ties are not counted as correct
+    assert math.isclose(first["train/loss"], first["train/dpo_loss"] + SFT_COEF * first["train/sft_loss"],
+                        rel_tol=1e-12)
+    # Summed response log-probs and the chosen-side NLL of the first batch, from plain HF.
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from RL2.data.formats import tokenize_pair
+    from RL2.data.io import load_rows
+    from RL2.data.loader import StepSampler
+
+    model = AutoModelForCausalLM.from_pretrained(assets["model"], attn_implementation="eager").eval()
+    tok = AutoTokenizer.from_pretrained(assets["model"])
+    rows = load_rows(f"{assets['data']}/pref_train.jsonl")
+    sums, nll, n_tokens = {"chosen": [], "rejected": []}, 0.0, 0.0
+    for i in StepSampler(len(rows), 16, seed=0).batch(0):
+        for side, s in zip(("chosen", "rejected"), tokenize_pair(rows[i], tok, for_reward_model=False, max_length=1024)):
+            with torch.no_grad():
+                logits = model(input_ids=s["input_ids"][None]).logits[0].double()
+            lp = logits.log_softmax(-1).gather(-1, s["labels"][:, None])[:, 0] * s["action_mask"]
+            sums[side].append(lp.sum().item())
+            if side == "chosen":
+                nll, n_tokens = nll - lp.sum().item(), n_tokens + s["action_mask"].sum().item()
+    for side in ("chosen", "rejected"):
+        assert math.isclose(first[f"train/logps/{side}"], sum(sums[side]) / 16, rel_tol=1e-5)
+    assert math.isclose(first["train/sft_loss"], nll / n_tokens, rel_tol=1e-5)
+
+
+def test_margin_increases(serial):
+    rows = read_metrics(serial["float32"])
+    margins = train_rows(serial["float32"], "train/rewards/margin")
+    assert margins[-1] > 0.05 and margins[-1] > margins[0]
+    test = [r for r in rows if "test/rewards/margin" in r][-1]
+    # The test margin starts at exactly 0 (policy == reference) and must have grown.
+    assert test["test/rewards/margin"] > 0.05 and test["test/accuracy"] >= 0.8
+    assert test["test/loss"] < math.log(2)
+
+
+# Pairs are <= 69 tokens (72 padded for sp=2), so every layout packs several micro-batches.
+LAYOUTS = {
+    "fsdp2": (2, ["actor.max_length_per_device=80"]),
+    "ddp2xfsdp2": (4, ["actor.ddp_size=2", "actor.max_length_per_device=160"]),
+    "sp2": (2, ["actor.sp_size=2", "actor.max_length_per_device=48"]),
+    "dp2xsp2": (4, ["actor.sp_size=2", "actor.max_length_per_device=64"]),
+}
+KEYS = ("train/loss", "train/dpo_loss", "train/sft_loss", "train/rewards/margin", "train/grad_norm",
+        "test/loss", "test/rewards/margin")
+
+
+@pytest.mark.parametrize("layout", [
+    "fsdp2", pytest.param("ddp2xfsdp2", marks=pytest.mark.slow), pytest.param("sp2", marks=pytest.mark.slow),
+    pytest.param("dp2xsp2", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("dtype,rtol", [("float64", 1e-9), pytest.param("float32", 1e-5, marks=pytest.mark.slow)])
+def test_parallel_equals_serial(assets, serial, tmp_path, layout, dtype, rtol):
+    nproc, extra = LAYOUTS[layout]
+    run_trainer("dpo", nproc, dpo_args(assets, f"actor.dtype={dtype}", *extra), tmp_path)
+    for key in KEYS:
+        # Margins start at 0: compare them with an absolute floor.
+        assert_close(train_rows(tmp_path, key), train_rows(serial[dtype], key), rtol, key,
+                     atol=1e-9 if "margin" in key else 0.0)
+
+
+def test_pair_longer_than_the_device_budget_stops_before_training(assets, tmp_path):
+    proc = run_trainer("dpo", 1, dpo_args(assets, "actor.max_length_per_device=60"), tmp_path, check=False)
+    assert proc.returncode != 0
+    assert "actor.max_length_per_device*sp_size*tp_size = 60" in proc.stderr

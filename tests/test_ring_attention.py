@@ -1,0 +1,186 @@
+"""Zig-zag ring attention on real gloo groups == full causal attention per sequence."""
+import copy
+
+import torch
+import torch.distributed as dist
+
+from tests.dist_utils import run_dist
+from RL2.parallel.attention import PackedContext, packed_kwargs, register
+from RL2.parallel.ring_attention import ring_attention
+
+LENGTHS = [5, 13, 8, 1]  # padded per sequence to a multiple of 2 * sp
+HQ, HKV, DIM = 4, 2, 8  # GQA
+
+
+def padded(lengths, sp):
+    return [-(-n // (2 * sp)) * 2 * sp for n in lengths]
+
+
+def zigzag(x, lengths_padded, sp, rank):
+    """This rank's share of a padded packed row: chunks r and 2sp-1-r of every sequence."""
+    parts, start = [], 0
+    for n in lengths_padded:
+        chunks = x[start:start + n].chunk(2 * sp)
+        parts += [chunks[rank], chunks[2 * sp - 1 - rank]]
+        start += n
+    return torch.cat(parts)
+
+
+def unzigzag(shards, lengths_padded, sp):
+    """Inverse of zigzag given every rank's share (list indexed by rank)."""
+    seqs, start = [], 0
+    for n in lengths_padded:
+        local = [s[start // sp:(start + n) // sp] for s in shards]  # this sequence on each rank
+        chunks = [None] * (2 * sp)
+        for r, part in enumerate(local):
+            chunks[r], chunks[2 * sp - 1 - r] = part.chunk(2)
+        seqs.append(torch.cat(chunks))
+        start += n
+    return torch.cat(seqs)
+
+
+def local_cu_seqlens(lengths_padded, sp):
+    return torch.tensor([0, *torch.tensor(lengths_padded).cumsum(0).tolist()],
+                        dtype=torch.int32) // sp
+
+
+def reference_attention(q, k, v, lengths_padded):
+    """Plain causal softmax attention per (padded) sequence, K/V heads repeated for GQA."""
+    outs, start = [], 0
+    for n in lengths_padded:
+        qs, ks, vs = (x[start:start + n].transpose(0, 1) for x in (q, k, v))
+        ks, vs = (x.repeat_interleave(HQ // HKV, dim=0) for x in (ks, vs))
+        s = qs @ ks.transpose(1, 2) * DIM ** -0.5
+        s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+        outs.append((s.softmax(-1) @ vs).transpose(0, 1))
+        start += n
+    return torch.cat(outs)
+
+
+def check_ring(group, sp, rank):
+    """Max |ring - reference| of out, dq, dk, dv on this rank, per dtype."""
+    errors = {}
+    lp = padded(LENGTHS, sp)
+    for dtype in (torch.float64, torch.float32):
+        g = torch.Generator().manual_seed(0)  # same global tensors on every rank
+        q, k, v = (torch.randn(sum(lp), h, DIM, generator=g, dtype=dtype)
+                   for h in (HQ, HKV, HKV))
+        dout = torch.randn(sum(lp), HQ, DIM, generator=g, dtype=dtype)
+        real = torch.cat([torch.arange(p) < n for n, p in zip(LENGTHS, lp)])
+        dout[~real] = 0  # padding carries no loss
+
+        ref_in = [x.clone().requires_grad_() for x in (q, k, v)]
+        ref_out = reference_attention(*ref_in, lp)
+        ref_grads = torch.autograd.grad(ref_out, ref_in, dout)
+
+        local = [zigzag(x, lp, sp, rank).requires_grad_() for x in (q, k, v)]
+        out = ring_attention(*local, local_cu_seqlens(lp, sp), max(lp) // sp, group)
+        out.backward(zigzag(dout, lp, sp, rank))
+        errors[str(dtype)] = {
+            name: (a - zigzag(b, lp, sp, rank)).abs().max().item()
+            for name, a, b in [("out", out, ref_out)]
+            + [(n, x.grad, gr) for n, x, gr in zip(("dq", "dk", "dv"), local, ref_grads)]
+        }
+        # no real query sees padded keys, so their gradients are exactly zero
+        pad_local = ~zigzag(real, lp, sp, rank)
+        errors[str(dtype)]["pad_dkv"] = max(local[1].grad[pad_local].abs().max().item(),
+                                            local[2].grad[pad_local].abs().max().item())
+    return errors
+
+
+def _ring_worker(rank, world_size, sub_size):
+    results = {"world": check_ring(dist.group.WORLD, world_size, rank)}
+    # sp groups of sub_size inside the world (dp x sp); every rank creates every group.
+    # sub_size 1: the ring degenerates to local causal attention without communication.
+    groups = [dist.new_group(list(range(s, s + sub_size))) for s in range(0, world_size, sub_size)]
+    results["subgroup"] = check_ring(groups[rank // sub_size], sub_size, rank % sub_size)
+    return results
+
+
+def assert_small(results):
+    tol = {"torch.float64": 1e-10, "torch.float32": 5e-6}
+    for rank_result in results:
+        for errors in rank_result.values():
+            for dtype, errs in errors.items():
+                for name, err in errs.items():
+                    assert err < tol[dtype], (dtype, name, err, rank_result)
+
+
+def test_ring_attention_sp2_and_single_rank_groups():
+    assert_small(run_dist(_ring_worker, 2, 1))
+
+
+def test_ring_attention_sp4_and_sp2_subgroups():
+    assert_small(run_dist(_ring_worker, 4, 2))
+
+
+# --- a whole tiny model with sp=2 == the single-process packed forward -------------------------
+
+MODEL_LENGTHS = [6, 11, 3]
+VOCAB = 64
+
+
+def build_model(arch):
+    # imported here so that the ring-only workers above do not pay for transformers
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    cfg_cls, model_cls = {"qwen2": (Qwen2Config, Qwen2ForCausalLM),
+                          "llama": (LlamaConfig, LlamaForCausalLM)}[arch]
+    cfg = cfg_cls(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                  max_position_embeddings=64)
+    torch.manual_seed(0)  # identical replicas on every rank
+    return model_cls._from_config(copy.deepcopy(cfg), attn_implementation=register(),
+                                  dtype=torch.float32)
+
+
+def _model_worker(rank, sp):
+    lp = padded(MODEL_LENGTHS, sp)
+    g = torch.Generator().manual_seed(1)
+    ids = [torch.randint(0, VOCAB, (n,), generator=g) for n in MODEL_LENGTHS]
+    weights = torch.randn(sum(MODEL_LENGTHS), VOCAB, generator=g)
+    errors = {}
+    for arch in ("qwen2", "llama"):
+        # reference: the whole unpadded packed row in this process
+        ref = build_model(arch)
+        cu = torch.tensor([0, *torch.tensor(MODEL_LENGTHS).cumsum(0).tolist()], dtype=torch.int32)
+        ctx = PackedContext(cu, max(MODEL_LENGTHS))
+        pos = torch.cat([torch.arange(n) for n in MODEL_LENGTHS])
+        ref_logits = ref(input_ids=torch.cat(ids)[None], position_ids=pos[None], use_cache=False,
+                         **packed_kwargs(ctx)).logits[0]
+        (ref_logits * weights).sum().backward()
+
+        # sp: pad every sequence (position_ids keep counting), zig-zag split, ring attention
+        model = build_model(arch)
+        pad = [torch.cat([x, torch.zeros(p - n, dtype=x.dtype)]) for x, n, p in
+               zip(ids, MODEL_LENGTHS, lp)]
+        pos_pad = torch.cat([torch.arange(p) for p in lp])
+        real = torch.cat([torch.arange(p) < n for n, p in zip(MODEL_LENGTHS, lp)])
+        w_pad = torch.zeros(sum(lp), VOCAB)
+        w_pad[real] = weights
+        sp_ctx = PackedContext(local_cu_seqlens(lp, sp), max(lp) // sp, sp_group=dist.group.WORLD)
+        logits = model(input_ids=zigzag(torch.cat(pad), lp, sp, rank)[None],
+                       position_ids=zigzag(pos_pad, lp, sp, rank)[None], use_cache=False,
+                       **packed_kwargs(sp_ctx)).logits[0]
+        (logits * zigzag(w_pad, lp, sp, rank)).sum().backward()
+
+        shards = [torch.empty_like(logits) for _ in range(sp)]
+        dist.all_gather(shards, logits.detach().contiguous())
+        full = unzigzag(shards, lp, sp)[real]
+        err = {"logits": (full - ref_logits).abs().max().item()}
+        ref_params = dict(ref.named_parameters())
+        grad_err = 0.0
+        for name, p in model.named_parameters():
+            dist.all_reduce(p.grad)  # each rank holds the gradient of its own tokens' loss
+            scale = ref_params[name].grad.abs().max().item() + 1e-6
+            grad_err = max(grad_err, (p.grad - ref_params[name].grad).abs().max().item() / scale)
+        err["grads_rel"] = grad_err
+        errors[arch] = err
+    return errors
+
+
+def test_model_with_sp2_equals_single_process():
+    for rank_errors in run_dist(_model_worker, 2):
+        for arch, err in rank_errors.items():
+            assert err["logits"] < 1e-5, (arch, err)
+            assert err["grads_rel"] < 1e-5, (arch, err)

@@ -1,0 +1,154 @@
+"""Reward-model trainer end to end under torchrun/gloo: parallel == serial (dp, HSDP, sp),
+above-chance test accuracy, HF export reproduces the trainer's rewards, bad input. Also the
+autograd-aware sp collectives it relies on."""
+import json
+import math
+import os
+
+import pytest
+import torch
+
+from tests.dist_utils import run_dist
+from tests.run_utils import read_metrics, run_trainer, train_rows
+
+
+def rm_args(assets, *extra):
+    return [f"actor.model_name={assets['model']}", f"data.train.path={assets['data']}/pref_train.jsonl",
+            f"data.test.path={assets['data']}/pref_test.jsonl", "data.train.batch_size=16",
+            "data.test.batch_size=8", "actor.lr=1e-3", "trainer.total_steps=3", *extra]
+
+
+def assert_close(a, b, rtol, what, atol=0.0):
+    assert len(a) == len(b), (what, a, b)
+    for x, y in zip(a, b):
+        assert math.isclose(x, y, rel_tol=rtol, abs_tol=atol), f"{what}: {a} vs {b}"
+
+
+# ----------------------------------------------------------------- collectives (2 gloo ranks)
+
+def _sp_sum_grad(rank, world_size):
+    from RL2.parallel.collectives import segment_sum, sequence_sums
+
+    # Two sequences of local lengths 2 and 3 on each rank; rank r holds x = (r + 1) * base.
+    base = torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0], dtype=torch.float64)
+    x = ((rank + 1) * base).requires_grad_()
+    cu = torch.tensor([0, 2, 5], dtype=torch.int32)
+    local = segment_sum(x, cu)
+    total = sequence_sums(x, cu, torch.distributed.group.WORLD)
+    # Every rank computes the same loss from the reduced sums; scale by 1/world for one copy.
+    loss = (total[0] ** 2 + 3 * total[1]) / world_size
+    loss.backward()
+    return local.tolist(), total.tolist(), x.grad.tolist()
+
+
+def test_sequence_sums_forward_and_backward_over_sp():
+    out = run_dist(_sp_sum_grad, 2)
+    # Sums over both ranks: (1+2)*3 = 9 and (3+4+5)*3 = 36.
+    for rank, (local, total, grad) in enumerate(out):
+        assert local == [3.0 * (rank + 1), 12.0 * (rank + 1)]
+        assert total == [9.0, 36.0]
+        # d/dx of total[0]^2 + 3*total[1] (counted once): 2*9 on seq 0 tokens, 3 on seq 1 tokens.
+        assert grad == [18.0, 18.0, 3.0, 3.0, 3.0]
+
+
+# ----------------------------------------------------------------- trainer runs
+
+@pytest.fixture(scope="module")
+def serial(assets, tmp_path_factory):
+    """1-process references (fp32 and fp64), one micro-batch per step."""
+    out = {}
+    for dtype in ("float32", "float64"):
+        d = tmp_path_factory.mktemp(f"rm_serial_{dtype}")
+        run_trainer("rm", 1, rm_args(assets, f"actor.dtype={dtype}", "actor.max_length_per_device=4096"), d)
+        out[dtype] = d
+    return out
+
+
+# Pairs are <= 71 tokens (76 padded for sp=2), so every layout packs several micro-batches.
+LAYOUTS = {
+    "fsdp2": (2, ["actor.max_length_per_device=80"]),
+    "ddp2xfsdp2": (4, ["actor.ddp_size=2", "actor.max_length_per_device=160"]),
+    "sp2": (2, ["actor.sp_size=2", "actor.max_length_per_device=48"]),
+    "dp2xsp2": (4, ["actor.sp_size=2", "actor.max_length_per_device=64"]),
+}
+KEYS = ("train/loss", "train/accuracy", "train/margin", "train/grad_norm", "test/loss", "test/margin")
+
+
+@pytest.mark.parametrize("layout", [
+    "fsdp2", pytest.param("ddp2xfsdp2", marks=pytest.mark.slow), pytest.param("sp2", marks=pytest.mark.slow),
+    pytest.param("dp2xsp2", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("dtype,rtol", [("float64", 1e-9), pytest.param("float32", 1e-5, marks=pytest.mark.slow)])
+def test_parallel_equals_serial(assets, serial, tmp_path, layout, dtype, rtol):
+    nproc, extra = LAYOUTS[layout]
+    run_trainer("rm", nproc, rm_args(assets, f"actor.dtype={dtype}", *extra), tmp_path)
+    for key in KEYS:
+        assert_close(train_rows(tmp_path, key), train_rows(serial[dtype], key), rtol, key)
+
+
+def test_accuracy_above_chance_and_hf_export_reproduces_rewards(assets, serial):
+    rows = read_metrics(serial["float32"])
+    test = [r for r in rows if "test/accuracy" in r][-1]
+    assert test["test/accuracy"] >= 0.8 and test["test/margin"] > 0
+    losses = train_rows(serial["float32"], "train/loss")
+    assert losses[-1] < losses[0]
+    # The exported checkpoint, run by plain HF (no packing, eager attention), gives the rewards
+    # behind the trainer's final test metrics.
+    from transformers import AutoModelForTokenClassification, AutoTokenizer
+
+    from RL2.data.formats import tokenize_pair
+    from RL2.data.io import load_rows
+
+    final = os.path.join(serial["float32"], "run", "final")
+    model = AutoModelForTokenClassification.from_pretrained(final, attn_implementation="eager").eval()
+    tok = AutoTokenizer.from_pretrained(final)
+    margins = []
+    for i, row in enumerate(load_rows(f"{assets['data']}/pref_test.jsonl")):
+        sides = tokenize_pair(row, tok, for_reward_model=True, max_length=1024, row_index=i)
+        with torch.no_grad():
+            r = [model(input_ids=s["input_ids"][None]).logits[0, -1, 0].item() for s in sides]
+        margins.append(r[0] - r[1])
+    m = torch.tensor(margins, dtype=torch.float64)
+    assert math.isclose(test["test/margin"], m.mean().item(), rel_tol=1e-4, abs_tol=1e-6)
+    assert math.isclose(test["test/loss"], -torch.nn.functional.logsigmoid(m).mean().item(), rel_tol=1e-5)
+    assert test["test/accuracy"] == (m > 0).double().mean().item()
+
+
+# ----------------------------------------------------------------- bad input
+
+def _write_rows(path, rows):
+    with open(path, "w") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+
+
+def _bad_rows(assets, tmp_path):
+    with open(f"{assets['data']}/pref_train.jsonl") as f:
+        rows = [json.loads(line) for line in f][:20]
+    del rows[3]["rejected"]                     # row 3: missing key
+    rows[7]["rejected"] = rows[7]["chosen"]     # row 7: identical sides
+    path = tmp_path / "bad.jsonl"
+    _write_rows(path, rows)
+    return str(path)
+
+
+def test_bad_rows_stop_with_the_row_named_or_are_counted_and_skipped(assets, tmp_path):
+    path = _bad_rows(assets, tmp_path)
+    args = [f"actor.model_name={assets['model']}", f"data.train.path={path}", "data.train.batch_size=4"]
+    proc = run_trainer("rm", 1, args + ["trainer.total_steps=1"], tmp_path / "a", check=False)
+    assert proc.returncode != 0
+    assert "row 3: missing key 'rejected'" in proc.stderr
+    assert "skip_bad_rows" in proc.stderr
+    # With skip_bad_rows both bad rows are counted and skipped; the run trains on the rest.
+    proc = run_trainer("rm", 1, args + ["trainer.total_steps=1", "data.train.skip_bad_rows=true"], tmp_path / "b")
+    assert "row 7: keys 'chosen' and 'rejected' are identical" in proc.stderr
+    assert "skipped 2 of 20 rows" in proc.stderr
+    assert len(train_rows(tmp_path / "b", "train/loss")) == 1
+
+
+def test_pair_longer_than_the_device_budget_stops_before_training(assets, tmp_path):
+    # Each side (<= 38 tokens) fits 60, but a packed pair (<= 71) does not.
+    proc = run_trainer("rm", 1, rm_args(assets, "actor.max_length_per_device=60"), tmp_path, check=False)
+    assert proc.returncode != 0
+    assert "actor.max_length_per_device*sp_size*tp_size = 60" in proc.stderr
+    assert "2*data.train.max_length" in proc.stderr
+    assert not os.path.exists(tmp_path / "run" / "metrics.jsonl")

@@ -130,6 +130,12 @@ def test_without_context_behaves_like_sdpa(arch):
         out = model(input_ids=torch.cat(seqs)[None], position_ids=pos[None], use_cache=False).logits[0]
         alone = torch.cat([ref(input_ids=s[None]).logits[0] for s in seqs])
         torch.testing.assert_close(out, alone, atol=1e-5, rtol=0)
+        # two packed rows in one batch (block-causal mask fallback)
+        seqs2, pos2, _, _ = packed_batch([7, 5, 9], seed=2)
+        out = model(input_ids=torch.stack([torch.cat(seqs), torch.cat(seqs2)]),
+                    position_ids=torch.stack([pos, pos2]), use_cache=False).logits
+        alone2 = torch.cat([ref(input_ids=s[None]).logits[0] for s in seqs2])
+        torch.testing.assert_close(out, torch.stack([alone, alone2]), atol=1e-5, rtol=0)
         # a left-padded batch with an attention mask (the generate path)
         ids = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(3))
         mask = torch.ones_like(ids)

@@ -35,7 +35,6 @@ def test_first_step_is_log2_and_matches_hf(assets, serial):
     assert abs(first["train/dpo_loss"] - math.log(2)) < 1e-6
     for key in ("train/rewards/chosen", "train/rewards/rejected", "train/rewards/margin"):
         assert abs(first[key]) < 1e-6, key
-    assert first["train/accuracy"] == 0.0  # ties are not counted as correct
     assert math.isclose(first["train/loss"], first["train/dpo_loss"] + SFT_COEF * first["train/sft_loss"],
                         rel_tol=1e-12)
     # Summed response log-probs and the chosen-side NLL of the first batch, from plain HF.
@@ -91,9 +90,9 @@ def test_parallel_equals_serial(assets, serial, tmp_path, layout, dtype, rtol):
     nproc, extra = LAYOUTS[layout]
     run_trainer("dpo", nproc, dpo_args(assets, f"actor.dtype={dtype}", *extra), tmp_path)
     for key in KEYS:
-        # Margins start at 0: compare them with an absolute floor.
+        # Margins start at ~0 (policy == reference): compare them with an absolute floor too.
         assert_close(train_rows(tmp_path, key), train_rows(serial[dtype], key), rtol, key,
-                     atol=1e-9 if "margin" in key else 0.0)
+                     atol=rtol / 10 if "margin" in key else 0.0)
 
 
 def test_pair_longer_than_the_device_budget_stops_before_training(assets, tmp_path):

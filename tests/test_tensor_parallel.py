@@ -117,7 +117,8 @@ def _fsdp_tp_case(mesh):
     """dp=2 x tp=2: TP on the tp dim, then FSDP2 on the dp dim; loss, grad norm, clipped grads."""
     from torch.distributed.fsdp import fully_shard
 
-    ref = _build(arch="qwen2", tied=True)
+    # Qwen3, tied: q/k-norm grads are Partial over tp, the tied weight is one 2-D DTensor.
+    ref = _build(arch="qwen3", tied=True)
     model = apply_tp(copy.deepcopy(ref), mesh["tp"])
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh["dp"])

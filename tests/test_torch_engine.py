@@ -6,6 +6,7 @@ import string
 
 import pytest
 import torch
+import torch.nn.functional as F
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from RL2.rollout.engine import GenerationOutput, SamplingParams, make_engine
@@ -70,7 +71,7 @@ def test_greedy_matches_hf_generate_concurrent_and_staggered(model, monkeypatch)
     engine = TorchEngine(model, CharTokenizer())
     merges = []
     orig_merge = engine._merge
-    monkeypatch.setattr(engine, "_merge", lambda *a: (merges.append(engine._cache is not None), orig_merge(*a)))
+    monkeypatch.setattr(engine, "_merge", lambda *a: (merges.append(bool(engine._rows)), orig_merge(*a)))
     prompts = random_prompts(12)
     lengths = [5 + 3 * (i % 5) for i in range(12)]
     jobs = [(p, SamplingParams(temperature=0, max_new_tokens=k)) for p, k in zip(prompts, lengths)]
@@ -83,7 +84,81 @@ def test_greedy_matches_hf_generate_concurrent_and_staggered(model, monkeypatch)
         assert a[0].finish_reason == ("stop" if ref[-1] == EOS else "length")
         torch.testing.assert_close(torch.tensor(a[0].logprobs), hf_logprobs(model, prompt, ref, 1.0),
                                    atol=1e-5, rtol=0)
-    assert not engine._rows and engine._cache is None
+    assert not engine._rows
+
+
+def test_multi_turn_prefix_reuse_matches_hf_and_is_dropped_on_update():
+    m1, m2 = tiny_model(seed=0), tiny_model(seed=1)
+    engine = TorchEngine(tiny_model(seed=0), None)
+    greedy, obs = SamplingParams(temperature=0, max_new_tokens=8), [7, 8, 9]
+
+    async def agent(i, prompt, turns=3):
+        await asyncio.sleep(0.001 * i)
+        for _ in range(turns):
+            prompt = prompt + (await engine.generate(prompt, greedy))[0].token_ids + obs
+        return prompt
+    prompts = random_prompts(5, seed=11)
+    contexts = asyncio.run(_gather(*[agent(i, p) for i, p in enumerate(prompts)]))
+    assert engine.stats["cached_prompt_tokens"] > 0
+    for prompt, context in zip(prompts, contexts):
+        for _ in range(3):
+            prompt = prompt + hf_greedy(m1, prompt, 8) + obs
+        assert prompt == context
+    # The stored KV belongs to m1: after the update a continuation must not reuse it.
+    engine.update_weights(m2.state_dict().items())
+    before = engine.stats["cached_prompt_tokens"]
+    out = asyncio.run(engine.generate(contexts[0], greedy))[0].token_ids
+    assert engine.stats["cached_prompt_tokens"] == before
+    assert out == hf_greedy(m2, contexts[0], 8)
+
+
+async def _gather(*coros):
+    return await asyncio.gather(*coros)
+
+
+def test_batch_kv_matches_naive_reference():
+    """Random adds / decode writes / evictions on _BatchKV == a naive pad-and-concat cache."""
+    from RL2.rollout.torch_engine import _BatchKV
+    rng = random.Random(0)
+    kv, ref, mask = _BatchKV(), None, None   # ref: [B, 1, W, 1] naive cache, mask [B, W]
+    for step in range(200):
+        op = rng.random()
+        if ref is None or op < 0.2:
+            r, w = rng.randint(1, 3), rng.randint(1, 12)
+            x = torch.randn(r, 1, w, 1)
+            m = torch.zeros(r, w, dtype=torch.long)
+            for i in range(r):
+                m[i, rng.randint(0, w - 1):] = 1
+            x = x * m[:, None, :, None]
+            kv.add([x], [x + 1])
+            if ref is None:
+                ref, mask = x, m
+            else:
+                width = max(ref.shape[2], w)
+                ref = torch.cat([F.pad(ref, (0, 0, width - ref.shape[2], 0)), F.pad(x, (0, 0, width - w, 0))])
+                mask = torch.cat([F.pad(mask, (width - mask.shape[1], 0)), F.pad(m, (width - w, 0))])
+        elif op < 0.8:
+            col = torch.randn(ref.shape[0], 1, 1, 1)
+            kv.reserve(1)
+            keys, values = kv.cache().layers[0].update(col, col + 1)
+            kv.advance(1)
+            ref, mask = torch.cat([ref, col], 2), torch.cat([mask, torch.ones(ref.shape[0], 1, dtype=torch.long)], 1)
+            assert torch.equal(values - 1, keys)
+        else:
+            keep = sorted(rng.sample(range(ref.shape[0]), rng.randint(0, ref.shape[0])))
+            order = kv.compact(keep)
+            assert sorted(order) == keep
+            if not order:
+                ref = mask = None
+                continue
+            ref, mask = ref[order], mask[order]
+            first = int(mask.any(0).int().argmax())
+            kv.start += first
+            ref, mask = ref[:, :, first:], mask[:, first:]
+        live = kv.k[0][:kv.rows, :, kv.start:kv.end]
+        assert live.shape == ref.shape
+        assert torch.equal(live * mask[:, None, :, None], ref * mask[:, None, :, None])
+        assert torch.isfinite(live).all()
 
 
 @pytest.mark.parametrize("params", [

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, lru_cache
 from typing import Any
 
 import torch
@@ -143,12 +143,14 @@ def packed_attention_forward(
     return _causal_per_sequence(query, key, value, ctx.bounds, scaling, dropout), None
 
 
+@lru_cache(maxsize=None)
 def _flash_varlen():
     """flash_attn.flash_attn_varlen_func, or None. Written against flash-attn 2.x (GQA via fewer
     K/V heads, (total, heads, dim) layout); untested here: no GPU on the development machines."""
     try:
         from flash_attn import flash_attn_varlen_func
     except ImportError:
+        logger.warning("flash_attn is not installed: packed attention on GPU runs SDPA per sequence")
         return None
     return flash_attn_varlen_func
 

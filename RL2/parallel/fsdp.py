@@ -60,10 +60,9 @@ def parallelize(model: nn.Module, dims: ParallelDims, *, param_dtype: torch.dtyp
                 gradient_checkpointing: bool = False, offload_params: bool = False):
     """The one place that decides how a model is parallelised."""
     if dims.tp > 1:
-        from RL2.parallel.tensor_parallel import apply_tp, validate_tp
+        from RL2.parallel.tensor_parallel import apply_tp
 
-        validate_tp(model.config, dims.tp)
-        apply_tp(model, dims.tp_mesh)
+        apply_tp(model, dims.tp_mesh)  # validates head/vocab divisibility first
     if gradient_checkpointing:
         apply_activation_checkpointing(model)
     apply_fsdp(model, dims, param_dtype, offload_params)

@@ -4,14 +4,17 @@ Layout (docs/DEV_SPEC.md, "Packing"): every sequence is padded to Lp, a multiple
 into 2*sp chunks of c = Lp / (2*sp) tokens; rank r holds chunks r and 2*sp-1-r back to back. The
 local cu_seqlens (2c per sequence) are therefore the same on every rank, so a rank can slice a K/V
 block that arrives from any other rank with its own cu_seqlens. Pairing an early chunk with a late
-one gives every rank the same causal work per step.
+one balances the causal work across ranks.
 
 Forward: K/V travel around the ring (sp steps); each rank attends its query chunks to the visiting
 chunks according to their global chunk index (earlier chunk: full block, same chunk: causal
 diagonal, later chunk: skipped) and merges the partial outputs with their log-sum-exp.
 Backward: recomputes the blocks from the saved log-sum-exp (flash-attention style) while K/V travel
 around the ring again together with dK/dV accumulators, which arrive back at their owner after sp
-hops, so dQ, dK and dV are exact.
+hops, so dQ, dK and dV are exact. Every P2P exchange is waited for inside the call, so nothing is in
+flight when it returns; still put a `dist.barrier()` before `destroy_process_group` (gloo can abort
+at exit after P2P otherwise). Per block it materialises a (heads, c, c) score matrix: this path is
+for CPU and tests; GPUs should use ring-flash-attn.
 
 On CUDA with `ring_flash_attn` installed, `ring_attention` calls its
 `zigzag_ring_flash_attn_varlen_func` instead (same layout; written against ring-flash-attn 0.1.8,
@@ -20,6 +23,7 @@ untested here: no GPU on the development machines).
 from __future__ import annotations
 
 import logging
+from functools import lru_cache
 from typing import Callable
 
 import torch
@@ -28,11 +32,13 @@ import torch.distributed as dist
 logger = logging.getLogger(__name__)
 
 
+@lru_cache(maxsize=None)
 def _ring_flash_varlen():
     """ring-flash-attn's zigzag varlen function, or None when it (or flash_attn) is missing."""
     try:
         from ring_flash_attn import zigzag_ring_flash_attn_varlen_func
     except ImportError:
+        logger.warning("ring_flash_attn is not installed: ring attention on GPU runs in pure torch")
         return None
     return zigzag_ring_flash_attn_varlen_func
 

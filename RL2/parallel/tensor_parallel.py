@@ -31,7 +31,8 @@ LAYER_PLAN = {
 
 # Qwen3 normalises q and k per head, on the local heads (B, T, heads/tp, head_dim). A plain
 # replicated weight would only get the gradient of the local heads; as a Replicate DTensor fed a
-# head-sharded input (Shard(2)) its gradient is summed over all heads by DTensor.
+# head-sharded input (Shard(2)) its gradient is summed over all heads by DTensor. (The style
+# wraps the weight with from_local: every rank must hold the same values, as after loading.)
 QK_NORM_PLAN = {
     "self_attn.q_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
     "self_attn.k_norm": SequenceParallel(sequence_dim=2, use_local_output=True),

@@ -40,6 +40,7 @@ from typing import Iterable
 
 import torch
 import torch.nn.functional as F
+from transformers.cache_utils import DynamicLayer
 
 from RL2.rollout.engine import Engine, GenerationOutput, SamplingParams, derive_seed
 
@@ -62,6 +63,107 @@ class _Seq:
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     finish: str | None = None
+
+
+
+class _BufferLayer(DynamicLayer):
+    """HF cache layer over the engine's preallocated buffers: `update` writes the new columns in
+    place (HF's DynamicLayer concatenates, copying the whole cache every decode step)."""
+
+    def __init__(self, kv: "_BatchKV", idx: int):
+        super().__init__()
+        self.kv, self.idx, self.is_initialized = kv, idx, True
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        return self.kv.write(self.idx, key_states, value_states)
+
+    def get_seq_length(self) -> int:
+        return self.kv.end - self.kv.start
+
+
+class _BatchKV:
+    """KV cache of the running batch: per layer a [row_cap, kv_heads, len_cap, head_dim] buffer
+    with live rows [0, rows) and live columns [start, end). New rows are copied in right-aligned
+    at `end` (left padding); a finished row is overwritten by a live row from the end (one row
+    copied, not the batch); decode steps write column `end` in place; buffers grow by doubling."""
+
+    def __init__(self):
+        self.k: list[torch.Tensor] = []
+        self.v: list[torch.Tensor] = []
+        self.rows = self.start = self.end = 0
+
+    def _realloc(self, row_cap: int, len_cap: int, left: int) -> None:
+        width = self.end - self.start
+        for bufs in (self.k, self.v):
+            for li, old in enumerate(bufs):
+                # zeros, not empty: masked slots must hold finite values (0 * NaN = NaN)
+                new = old.new_zeros(row_cap, old.shape[1], len_cap, old.shape[3])
+                new[:self.rows, :, left:left + width] = old[:self.rows, :, self.start:self.end]
+                bufs[li] = new
+        self.start, self.end = left, left + width
+
+    def add(self, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+        """Append rows given per layer as [r, heads, w, dim] (left-padded to w)."""
+        r, _, w, _ = keys[0].shape
+        if not self.k:  # first use: shapes, dtype and device come from the model
+            self.k = [k.new_zeros(k.shape[0], k.shape[1], 1, k.shape[3]) for k in keys]
+            self.v = [v.new_zeros(v.shape[0], v.shape[1], 1, v.shape[3]) for v in values]
+        row_cap, len_cap = self.k[0].shape[0], self.k[0].shape[2]
+        width = self.end - self.start
+        if self.rows + r > row_cap or self.end - w < 0:
+            needed = max(width, w)
+            self._realloc(max(self.rows + r, 2 * row_cap), max(len_cap, 2 * needed + 16), needed - width)
+        for bufs, new in ((self.k, keys), (self.v, values)):
+            for buf, x in zip(bufs, new):
+                buf[self.rows:self.rows + r, :, self.end - w:self.end] = x
+        self.start = min(self.start, self.end - w)
+        self.rows += r
+
+    def reserve(self, q: int) -> None:
+        """Make room for q more columns before a forward pass."""
+        if self.end + q > self.k[0].shape[2]:
+            width = self.end - self.start
+            self._realloc(self.k[0].shape[0], 2 * (width + q) + 16, 0)
+
+    def write(self, li: int, k: torch.Tensor, v: torch.Tensor):
+        q = k.shape[2]
+        self.k[li][:self.rows, :, self.end:self.end + q] = k
+        self.v[li][:self.rows, :, self.end:self.end + q] = v
+        return self.k[li][:self.rows, :, self.start:self.end + q], self.v[li][:self.rows, :, self.start:self.end + q]
+
+    def advance(self, q: int) -> None:
+        self.end += q
+
+    def cache(self):
+        from transformers import DynamicCache
+        cache = DynamicCache()
+        cache.layers = [_BufferLayer(self, li) for li in range(len(self.k))]
+        return cache
+
+    def compact(self, keep: list[int]) -> list[int]:
+        """Keep rows `keep` (ascending); return the old index of each new row."""
+        n = len(keep)
+        kept = set(keep)
+        holes = [i for i in range(n) if i not in kept]
+        movers = [j for j in keep if j >= n]
+        if holes:
+            dst = torch.tensor(holes, device=self.k[0].device)
+            src = torch.tensor(movers, device=self.k[0].device)
+            for buf in self.k + self.v:
+                buf[dst, :, self.start:self.end] = buf[src, :, self.start:self.end]
+        order = list(range(n))
+        for hole, mover in zip(holes, movers):
+            order[hole] = mover
+        self.rows = n
+        if n == 0 and self.k:  # keep the buffers; center the empty window for the next prompts
+            self.start = self.end = self.k[0].shape[2] // 2
+        return order
+
+    def row(self, li: int, row: int, cols: torch.Tensor):
+        """(keys, values) [heads, len(cols), dim] of one row at live columns `cols`."""
+        window = slice(self.start, self.end)
+        return (self.k[li][row, :, window].index_select(1, cols),
+                self.v[li][row, :, window].index_select(1, cols))
 
 
 class TorchEngine(Engine):
@@ -213,8 +315,8 @@ class TorchEngine(Engine):
 
     def _reset_batch(self) -> None:
         self._rows: list[_Seq] = []     # one running sample per cache row
-        self._cache = None              # transformers DynamicCache, [B, heads, T, head_dim]
-        self._mask = None               # [B, T] long, 0 = left padding
+        self._kv = _BatchKV()           # their KV cache, [B, heads, T, head_dim] per layer
+        self._mask = None               # [B, T] long, 0 = padding
         self._lens = None               # [B] real tokens in the cache (= next position id)
         self._last = None               # [B] last sampled token, not yet in the cache
 
@@ -333,8 +435,7 @@ class TorchEngine(Engine):
         if key in self._prefix or len(key) > self.prefix_cache_tokens:
             return
         cols = self._mask[row].nonzero()[:, 0]
-        self._prefix[key] = [(layer.keys[row].index_select(1, cols), layer.values[row].index_select(1, cols))
-                             for layer in self._cache.layers]
+        self._prefix[key] = [self._kv.row(li, row, cols) for li in range(len(self._kv.k))]
         self._prefix_size += len(key)
         while self._prefix_size > self.prefix_cache_tokens:
             old, _ = self._prefix.popitem(last=False)
@@ -344,19 +445,14 @@ class TorchEngine(Engine):
         self._prefix, self._prefix_size = OrderedDict(), 0
 
     def _merge(self, cache, mask, seqs, last) -> None:
+        self._kv.add([layer.keys for layer in cache.layers], [layer.values for layer in cache.layers])
         lens = mask.sum(1)
-        if self._cache is None:
-            self._cache, self._mask, self._lens, self._last, self._rows = cache, mask, lens, last, seqs
+        if not self._rows:
+            self._mask, self._lens, self._last, self._rows = mask, lens, last, seqs
             return
-        t_old, t_new = self._mask.shape[1], mask.shape[1]
-        width = max(t_old, t_new)
-        for old, new in zip(self._cache.layers, cache.layers):
-            # left-pad the sequence dim (-2) of [B, H, T, D] to the common width, stack rows
-            old.keys = torch.cat([F.pad(old.keys, (0, 0, width - t_old, 0)),
-                                  F.pad(new.keys, (0, 0, width - t_new, 0))])
-            old.values = torch.cat([F.pad(old.values, (0, 0, width - t_old, 0)),
-                                    F.pad(new.values, (0, 0, width - t_new, 0))])
-        self._mask = torch.cat([F.pad(self._mask, (width - t_old, 0)), F.pad(mask, (width - t_new, 0))])
+        width = max(self._mask.shape[1], mask.shape[1])
+        self._mask = torch.cat([F.pad(self._mask, (width - self._mask.shape[1], 0)),
+                                F.pad(mask, (width - mask.shape[1], 0))])
         self._lens = torch.cat([self._lens, lens])
         self._last = torch.cat([self._last, last])
         self._rows = self._rows + seqs
@@ -370,9 +466,11 @@ class TorchEngine(Engine):
                 return
         batch = len(self._rows)
         self._mask = torch.cat([self._mask, self._mask.new_ones(batch, 1)], dim=1)
+        self._kv.reserve(1)
         out = self.model(input_ids=self._last[:, None], attention_mask=self._mask,
-                         position_ids=self._lens[:, None], past_key_values=self._cache,
+                         position_ids=self._lens[:, None], past_key_values=self._kv.cache(),
                          use_cache=True)
+        self._kv.advance(1)
         self._lens = self._lens + 1
         tokens = self._sample(out.logits[:, -1].float(), self._rows)
         self._last = torch.tensor([t for t, _ in tokens], device=self.device)
@@ -390,17 +488,16 @@ class TorchEngine(Engine):
             self._evict(keep)
 
     def _evict(self, keep: list[int]) -> None:
-        if not keep:
-            self._reset_batch()
+        order = self._kv.compact(keep)
+        if not order:
+            self._rows, self._mask, self._lens, self._last = [], None, None, None
             return
-        idx = torch.tensor(keep, device=self.device)
-        self._cache.batch_select_indices(idx)
+        idx = torch.tensor(order, device=self.device)
         self._mask, self._lens, self._last = (t.index_select(0, idx) for t in (self._mask, self._lens, self._last))
-        self._rows = [self._rows[j] for j in keep]
+        self._rows = [self._rows[j] for j in order]
         start = int(self._mask.any(0).int().argmax())  # first column holding a real token
         if start > 0:
-            for layer in self._cache.layers:
-                layer.keys, layer.values = layer.keys[:, :, start:], layer.values[:, :, start:]
+            self._kv.start += start
             self._mask = self._mask[:, start:]
 
     # ---------------------------------------------------------------- sampling

@@ -109,7 +109,7 @@ def build_tiny_model(out_dir: str | None, tokenizer, arch: str = "qwen2", seed: 
 
 
 def _arith(rng):
-    a, b = rng.randint(0, 9), rng.randint(0, 9)
+    a, b = rng.randint(0, 4), rng.randint(0, 4)
     return f"What is {a} plus {b}?", str(a + b)
 
 
@@ -129,7 +129,7 @@ def write_datasets(out_dir: str, n_train: int = 1024, n_test: int = 64, seed: in
         # Half the answers are off by a little: SFT on this gives a policy that is right about
         # half the time, which RL then improves (the quick-start demo).
         dump(f"sft_noisy_{split}.jsonl", [
-            {"prompt": q, "response": f"The answer is {a if rng.random() < 0.5 else int(a) + rng.choice([-2, -1, 1, 2])}."}
+            {"prompt": q, "response": a if rng.random() < 0.5 else str((int(a) + rng.randint(1, 3)) % 10)}
             for q, a in qa])
         dump(f"chat_{split}.jsonl", [{"messages": [
             {"role": "user", "content": q}, {"role": "assistant", "content": f"The answer is {a}."},

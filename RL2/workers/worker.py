@@ -23,7 +23,9 @@ def load_hf_model(path: str, value_head: bool, dtype: torch.dtype, trust_remote_
     if value_head:
         # A causal-LM checkpoint gets a fresh 1-wide head; the same seed on every rank keeps it
         # identical across replicas.
-        return AutoModelForTokenClassification.from_pretrained(path, num_labels=1, **kw)
+        # No dropout on the head: values must be deterministic (HF defaults it to 0.1).
+        return AutoModelForTokenClassification.from_pretrained(
+            path, num_labels=1, classifier_dropout=0.0, **kw)
     return AutoModelForCausalLM.from_pretrained(path, **kw)
 
 

@@ -11,9 +11,9 @@ import torch
 # 512-token byte-level BPE of RL2.tools.make_assets: ~1M and ~25M parameters (tied embeddings).
 MODEL_SIZES = {
     "tiny": dict(hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128),
-    "1M": dict(hidden=128, layers=4, heads=4, kv_heads=2, intermediate=384),
+    "1M": dict(hidden=128, layers=4, heads=4, kv_heads=2, intermediate=512),
     "4M": dict(hidden=256, layers=4, heads=4, kv_heads=2, intermediate=768),
-    "25M": dict(hidden=512, layers=8, heads=8, kv_heads=4, intermediate=1408),
+    "25M": dict(hidden=512, layers=8, heads=8, kv_heads=4, intermediate=1536),
 }
 
 

@@ -102,14 +102,14 @@ def test_multi_turn_prefix_reuse_matches_hf_and_is_dropped_on_update():
     assert engine.stats["cached_prompt_tokens"] > 0
     for prompt, context in zip(prompts, contexts):
         for _ in range(3):
-            prompt = prompt + hf_greedy(m1, prompt, 8) + obs
+            prompt = prompt + hf_greedy(m1, prompt, 8, eos=None) + obs
         assert prompt == context
     # The stored KV belongs to m1: after the update a continuation must not reuse it.
     engine.update_weights(m2.state_dict().items())
     before = engine.stats["cached_prompt_tokens"]
     out = asyncio.run(engine.generate(contexts[0], greedy))[0].token_ids
     assert engine.stats["cached_prompt_tokens"] == before
-    assert out == hf_greedy(m2, contexts[0], 8)
+    assert out == hf_greedy(m2, contexts[0], 8, eos=None)
 
 
 async def _gather(*coros):
@@ -130,7 +130,7 @@ def test_batch_kv_matches_naive_reference():
             for i in range(r):
                 m[i, rng.randint(0, w - 1):] = 1
             x = x * m[:, None, :, None]
-            kv.add([x], [x + 1])
+            kv.add([x], [2 * x])  # values = 2 * keys (exact in float)
             if ref is None:
                 ref, mask = x, m
             else:
@@ -140,10 +140,10 @@ def test_batch_kv_matches_naive_reference():
         elif op < 0.8:
             col = torch.randn(ref.shape[0], 1, 1, 1)
             kv.reserve(1)
-            keys, values = kv.cache().layers[0].update(col, col + 1)
+            keys, _ = kv.cache().layers[0].update(col, 2 * col)
             kv.advance(1)
             ref, mask = torch.cat([ref, col], 2), torch.cat([mask, torch.ones(ref.shape[0], 1, dtype=torch.long)], 1)
-            assert torch.equal(values - 1, keys)
+            assert torch.equal(keys * mask[:, None, :, None], ref * mask[:, None, :, None])
         else:
             keep = sorted(rng.sample(range(ref.shape[0]), rng.randint(0, ref.shape[0])))
             order = kv.compact(keep)
@@ -155,10 +155,11 @@ def test_batch_kv_matches_naive_reference():
             first = int(mask.any(0).int().argmax())
             kv.start += first
             ref, mask = ref[:, :, first:], mask[:, first:]
-        live = kv.k[0][:kv.rows, :, kv.start:kv.end]
-        assert live.shape == ref.shape
-        assert torch.equal(live * mask[:, None, :, None], ref * mask[:, None, :, None])
-        assert torch.isfinite(live).all()
+        m = mask[:, None, :, None]
+        live_k, live_v = kv.k[0][:kv.rows, :, kv.start:kv.end], kv.v[0][:kv.rows, :, kv.start:kv.end]
+        assert live_k.shape == ref.shape
+        assert torch.equal(live_k * m, ref * m) and torch.equal(live_v * m, 2 * ref * m)
+        assert torch.isfinite(live_k).all() and torch.isfinite(live_v).all()
 
 
 @pytest.mark.parametrize("params", [
@@ -308,7 +309,7 @@ def test_scheduler_error_reaches_every_caller_then_recovers(model, monkeypatch):
     results = asyncio.run(main())
     assert all(isinstance(r, RuntimeError) and "boom" in str(r) for r in results)
     ok = asyncio.run(engine.generate([1, 2, 3], SamplingParams(temperature=0, max_new_tokens=4)))
-    assert ok[0].token_ids == hf_greedy(model, [1, 2, 3], 4)
+    assert ok[0].token_ids == hf_greedy(model, [1, 2, 3], 4, eos=None)
 
 
 def test_cancelled_caller_is_evicted(model):
@@ -323,7 +324,7 @@ def test_cancelled_caller_is_evicted(model):
             await asyncio.sleep(0)
         return out
     out = asyncio.run(main())
-    assert out[0].token_ids == hf_greedy(model, [3, 4], 5)
+    assert out[0].token_ids == hf_greedy(model, [3, 4], 5, eos=None)
     assert not engine._rows
 
 
@@ -342,7 +343,7 @@ def test_release_resume_shutdown(model):
         return out, await engine.generate([1, 2, 3], SamplingParams(temperature=0, max_new_tokens=4))
     aborted, fresh = asyncio.run(main())
     assert [o.finish_reason for o in aborted] == ["abort", "abort"] and 0 < len(aborted[0].token_ids) < 100
-    assert fresh[0].token_ids == hf_greedy(model, [1, 2, 3], 4)
+    assert fresh[0].token_ids == hf_greedy(model, [1, 2, 3], 4, eos=None)
     engine.shutdown()
     with pytest.raises(RuntimeError, match="shut down"):
         asyncio.run(engine.generate([1], SamplingParams()))
@@ -355,7 +356,7 @@ def test_make_engine(tmp_path, model):
     engine = make_engine("torch", str(tmp_path), None, max_batch_size=8)
     out = asyncio.run(engine.generate([5, 6], SamplingParams(temperature=0, max_new_tokens=6)))
     assert out == [GenerationOutput(out[0].token_ids, out[0].logprobs, out[0].finish_reason)]
-    assert out[0].token_ids == hf_greedy(model, [5, 6], 6)
+    assert out[0].token_ids == hf_greedy(model, [5, 6], 6, eos=None)
     with pytest.raises(ValueError, match="unknown engine"):
         make_engine("vllm", model, None)
     import importlib.util

@@ -55,6 +55,7 @@ def bench_one_batch(model, engine, args):
         hf_generate(model, prompts, new)
 
     async def run_engine():
+        engine.clear_prefix_cache()
         params = SamplingParams(temperature=0, max_new_tokens=new)
         await asyncio.gather(*[engine.generate(p, params) for p in prompts])
     return tokens, run_hf, lambda: asyncio.run(run_engine())
@@ -120,6 +121,8 @@ def bench_multi_turn(model, engine, args):
         task.cancel()
 
     async def run_engine():
+        engine.clear_prefix_cache()  # no reuse across repeats: each run starts cold
+
         async def gen(context, length):
             out = await engine.generate(context, SamplingParams(temperature=0, max_new_tokens=length))
             return out[0].token_ids

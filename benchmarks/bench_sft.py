@@ -132,14 +132,23 @@ class RL2Trainer:
 
 
 def timed_step(trainer, batch, device):
+    """(wall seconds, process CPU seconds, loss). On a shared CPU machine the process CPU time of
+    a 1-thread run is what the step costs without the other tenants; on CUDA use wall time."""
     sync(device)
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     loss = trainer.step(batch)
     sync(device)
-    return time.perf_counter() - start, loss
+    wall = time.perf_counter() - start
+    return wall, (time.process_time() - cpu_start if device == "cpu" else wall), loss
 
 
-def bench_size(size: str, args, device: str, dtype: torch.dtype, peak: float, root: str) -> list:
+def measure_peak(device, dtype):
+    """Matmul FLOP/s in process CPU time on CPU (see timed_step), wall time on CUDA."""
+    return matmul_peak(device, dtype, repeats=3,
+                       clock=time.process_time if device == "cpu" else time.perf_counter)
+
+
+def bench_size(size: str, args, device: str, dtype: torch.dtype, root: str) -> list:
     path, vocab = build_model_dir(root, size)
     big = MODEL_SIZES[size]["hidden"] >= 512
     batch = args.batch_size or (8 if big and device == "cpu" else 32)
@@ -159,26 +168,26 @@ def bench_size(size: str, args, device: str, dtype: torch.dtype, peak: float, ro
     warm = batches[0][:2]
     for t in modes.values():
         t.step(warm)
-    times = {m: [] for m in modes}
-    losses = {m: [] for m in modes}
-    tokens = []
+    walls, cpus, losses = ({m: [] for m in modes} for _ in range(3))
+    tokens, peaks = [], []
     for b in batches[1:]:
         tokens.append(sum(len(s["input_ids"]) for s in b))
+        peaks.append(measure_peak(device, dtype))  # per round: follows the machine's load
         for m, t in modes.items():
-            if device == "cuda":
-                torch.cuda.reset_peak_memory_stats()
-            dt, loss = timed_step(t, b, device)
-            times[m].append(dt)
+            wall, cpu, loss = timed_step(t, b, device)
+            walls[m].append(wall)
+            cpus[m].append(cpu)
             losses[m].append(loss)
     rows = []
     base = "padded (HF sdpa + mask)"
     for m in modes:
-        tps = [n / t for n, t in zip(tokens, times[m])]
-        ratio = median([tb / tm for tm, tb in zip(times[m], times[base])])
-        mfu = median([6 * n_params * n / t / peak for n, t in zip(tokens, times[m])])
-        rows.append([f"{size} ({n_params / 1e6:.2f}M)", m, batch, median(tokens), median(tps),
-                     ratio, 100 * mfu, losses[m][0]])
-    return rows
+        ratio = median([tb / tm for tm, tb in zip(cpus[m], cpus[base])])
+        mfu = median([6 * n_params * n / t / p for n, t, p in zip(tokens, cpus[m], peaks)])
+        rows.append([f"{size} ({n_params / 1e6:.2f}M)", m, batch, median(tokens),
+                     median([n / t for n, t in zip(tokens, walls[m])]),
+                     median([n / t for n, t in zip(tokens, cpus[m])]), ratio, 100 * mfu,
+                     f"{losses[m][0]:.6f}"])
+    return rows, median(peaks)
 
 
 def run(args) -> str:
@@ -189,21 +198,26 @@ def run(args) -> str:
 
     init_distributed(device)  # a 1-rank group (gloo on CPU) unless launched under torchrun
     dtype = resolve_dtype("auto", device)
-    peak = matmul_peak(device, dtype)
     sizes = args.sizes or (["1M", "25M"])
-    rows = []
+    rows, peaks = [], []
     with tempfile.TemporaryDirectory() as root:
         for size in sizes:
-            rows += bench_size(size, args, device, dtype, peak, root)
+            r, p = bench_size(size, args, device, dtype, root)
+            rows += r
+            peaks.append(p)
     mean_len = sum(sample_lengths(4096, seed=args.seed)) / 4096
-    headers = ["model", "mode", "seqs/step", "tokens/step", "tokens/s", "x padded", "MFU %",
-               "loss step 0"]
+    clock = "process CPU" if device == "cpu" else "wall"
+    headers = ["model", "mode", "seqs/step", "tokens/step", "tokens/s (wall)",
+               f"tokens/s ({clock})", "x padded", "MFU %", "loss step 0"]
     return "\n\n".join([
         f"### SFT throughput ({machine_description(device, threads)}; {dtype}; matmul peak "
-        f"{peak / 1e9:.1f} GFLOP/s; lengths 20-1000, mean {mean_len:.0f}; right-padded "
+        f"{median(peaks) / 1e9:.1f} GFLOP/s; lengths 20-1000, mean {mean_len:.0f}; right-padded "
         f"micro-batches of {args.padded_batch}; max_length_per_device {args.max_length_per_device}; "
         f"median over {args.repeats or (2 if args.quick else 3)} batches)",
         table(headers, rows),
+        f"`x padded` and MFU use {clock} time (on a shared CPU machine, wall time includes other "
+        "tenants' load; the process's CPU time of a 1-thread run does not). MFU = 6 * params * "
+        "non-padding tokens / time / matmul peak (peak re-measured before every batch round).",
     ])
 
 

@@ -82,7 +82,9 @@ def test_parallel_equals_serial(assets, serial, tmp_path, layout, dtype, rtol):
     nproc, extra = LAYOUTS[layout]
     run_trainer("rm", nproc, rm_args(assets, f"actor.dtype={dtype}", *extra), tmp_path)
     for key in KEYS:
-        assert_close(train_rows(tmp_path, key), train_rows(serial[dtype], key), rtol, key)
+        # A margin is a difference of two rewards ~100x larger: give it a matching absolute floor.
+        assert_close(train_rows(tmp_path, key), train_rows(serial[dtype], key), rtol, key,
+                     atol=rtol / 100 if "margin" in key else 0.0)
 
 
 def test_accuracy_above_chance_and_hf_export_reproduces_rewards(assets, serial):

@@ -291,21 +291,22 @@ def test_bad_inputs(model):
     assert len(out.token_ids) == 5 and out.finish_reason == "length"
 
 
-def test_scheduler_error_reaches_every_caller_then_recovers(model, monkeypatch):
+@pytest.mark.parametrize("failing_call", [1, 3])  # 1: the prefill, 3: a decode step
+def test_scheduler_error_reaches_every_caller_then_recovers(model, monkeypatch, failing_call):
     engine = TorchEngine(model, None)
     calls = {"n": 0}
     forward = model.forward
 
     def flaky(*a, **kw):
         calls["n"] += 1
-        if calls["n"] == 3:
+        if calls["n"] == failing_call:
             raise RuntimeError("boom")
         return forward(*a, **kw)
     monkeypatch.setattr(model, "forward", flaky)
 
     async def main():
         jobs = [engine.generate(p, SamplingParams(temperature=0, max_new_tokens=10)) for p in random_prompts(4)]
-        return await asyncio.wait_for(asyncio.gather(*jobs, return_exceptions=True), timeout=30)
+        return await asyncio.wait_for(asyncio.gather(*jobs, return_exceptions=True), timeout=10)
     results = asyncio.run(main())
     assert all(isinstance(r, RuntimeError) and "boom" in str(r) for r in results)
     ok = asyncio.run(engine.generate([1, 2, 3], SamplingParams(temperature=0, max_new_tokens=4)))

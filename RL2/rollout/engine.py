@@ -20,7 +20,7 @@ FINISH_REASONS = ("stop", "length", "abort")
 
 @dataclass
 class SamplingParams:
-    temperature: float = 1.0      # 0 means greedy decoding
+    temperature: float = 1.0      # 0 (or < 1e-6) means greedy decoding
     top_p: float = 1.0            # nucleus sampling mass, in (0, 1]
     top_k: int = -1               # keep the k most likely tokens; -1 (or 0) disables
     max_new_tokens: int = 128     # >= 1
@@ -52,14 +52,18 @@ class GenerationOutput:
     finish_reason: str            # "stop" | "length" | "abort"
 
 
-def derive_seed(seed: int, i: int) -> int:
-    """Seed of sample i of a request seeded with `seed` (same rule for every backend)."""
+def derive_seed(seed: int, i: int | str) -> int:
+    """A 63-bit seed from (seed, i), e.g. sample i of a request (same rule for every backend)."""
     digest = hashlib.blake2b(f"{seed}:{i}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") & (2**63 - 1)
 
 
 class Engine(ABC):
     """A generation backend shared by many concurrent asyncio callers (one event loop)."""
+
+    # The event loop the backend is bound to (SGLang: fixed at construction), or None when any
+    # loop works. Callers run their rollout coroutines on it when it is set.
+    loop = None
 
     @abstractmethod
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> list[GenerationOutput]:

@@ -1,6 +1,7 @@
 """Rollout placement and scheduling: one engine per rollout group, prompts split across groups,
-trajectories run concurrently on one persistent event loop, then gathered on every rank; dynamic
-filtering of uninformative groups with bounded refills; rollout JSONL dumps."""
+trajectories run concurrently on one persistent event loop, then gathered on every rank; optional
+overlong-response shaping (DAPO); groups with a failed trajectory are dropped, uninformative ones
+(all rewards equal) filtered, with bounded refills; rollout JSONL dumps; the failure budget."""
 import asyncio
 import json
 import logging
@@ -55,8 +56,8 @@ class Rollout:
         if self.engine is not None:
             self.engine.release_memory()
 
-    def _generate(self, prompts: list[dict], params_cfg, n: int, step: int, tag: str) -> list:
-        """Run n trajectories per prompt; this group runs its contiguous share, then all ranks
+    def _generate(self, prompts: list[dict], params_cfg, n: int, tag: str) -> list:
+        """Run n trajectories per prompt; this group runs its share of the jobs, then all ranks
         receive every trajectory in (prompt, sample) order."""
         jobs = [(p, j) for p in range(len(prompts)) for j in range(n)]
         mine = jobs[self.group::self.n_groups]
@@ -65,11 +66,10 @@ class Rollout:
             async def run_all():
                 tasks = []
                 for p, j in mine:
-                    uid = f"{tag}{step}-{prompts[p]['index']}-{j}"
-                    # Seeded per request from (seed, split, step, prompt, sample): results do not
-                    # depend on which rank or batch ran it, so resumed runs repeat exactly.
-                    seed = derive_seed(self.seed, f"{tag}{step}-{prompts[p]['index']}-{j}") \
-                        if params_cfg.temperature > 0 else None
+                    uid = f"{tag}-{prompts[p]['index']}-{j}"
+                    # Seeded per request from (seed, tag = split/step/refill, prompt, sample):
+                    # results do not depend on which rank or batch ran it, so resumed runs repeat.
+                    seed = derive_seed(self.seed, uid) if params_cfg.temperature > 0 else None
                     tasks.append(run_trajectory(
                         self.engine, self.tokenizer, self.env, prompts[p],
                         sampling_params(params_cfg, seed), self.cfg.max_turns, uid,
@@ -85,40 +85,67 @@ class Rollout:
                 by_job[job] = traj
         return [[by_job[(p, j)] for j in range(n)] for p in range(len(prompts))]
 
-    def run(self, prompt_source, step: int, train: bool = True) -> tuple[list[list], dict]:
-        """Trajectories grouped per prompt, and rollout metrics. `prompt_source(k)` returns the
-        k-th batch of prompts for this step (k > 0 only when refilling after filtering)."""
+    def run(self, prompt_source, step: int, train: bool = True,
+            dump_path: str | None = None) -> tuple[list[list], dict]:
+        """Trajectories grouped per prompt for training, and rollout metrics.
+
+        `prompt_source(k)` returns the k-th batch of prompts of this step (k > 0 only for refills
+        after filtering). Train groups containing a failed trajectory are dropped (an env error
+        says nothing about the policy); with dynamic filtering, groups whose rewards are all
+        equal are too, and more prompts are drawn until prompts_per_rollout groups are kept or
+        max_refill_tries refills were made. Every trajectory is dumped to `dump_path` (JSONL,
+        with its group's status) before the failure budget is checked, so a stopped run leaves
+        the errors on disk.
+        """
         cfg = self.cfg
         params = cfg.train_sampling_params if train else cfg.test_sampling_params
         n = cfg.responses_per_prompt if train else cfg.test_responses_per_prompt
-        kept, seen, filtered, tries = [], [], 0, 0
+        filtering = train and cfg.dynamic_filtering
+        kept, seen, status, tries = [], [], [], 0
         while True:
-            groups = self._generate(prompt_source(tries), params, n, step, "train" if train else "test")
-            seen.extend(groups)
+            tag = f"{'train' if train else 'test'}{step}" + (f".{tries}" if tries else "")
+            groups = self._generate(prompt_source(tries), params, n, tag)
+            if train and cfg.overlong_buffer:
+                for g in groups:
+                    for t in g:
+                        shape_overlong(t, params.max_new_tokens, cfg.overlong_buffer, cfg.overlong_penalty)
             for g in groups:
-                if train and cfg.dynamic_filtering and len({t.reward for t in g}) == 1:
-                    filtered += 1
+                if train and any(t.failed for t in g):
+                    status.append("failed")
+                elif filtering and len({t.reward for t in g}) == 1:
+                    status.append("filtered")
                 else:
+                    status.append("kept")
                     kept.append(g)
+            seen.extend(groups)
             tries += 1
-            if not (train and cfg.dynamic_filtering) or len(kept) >= cfg.prompts_per_rollout \
-                    or tries > cfg.max_refill_tries:
+            if not filtering or len(kept) >= cfg.prompts_per_rollout or tries > cfg.max_refill_tries:
                 break
-        if train and cfg.dynamic_filtering:
-            if len(kept) < cfg.prompts_per_rollout:
-                logger.warning(f"dynamic filtering: only {len(kept)} informative groups after "
-                               f"{tries} tries (wanted {cfg.prompts_per_rollout})")
+        if filtering and len(kept) < cfg.prompts_per_rollout:
+            logger.warning(f"dynamic filtering: only {len(kept)} informative groups after "
+                           f"{tries} tries (wanted {cfg.prompts_per_rollout})")
+        if filtering:
             kept = kept[:cfg.prompts_per_rollout]
+        if dump_path:
+            self.dump(seen, status, dump_path)
         flat = [t for g in seen for t in g]
         failed = sum(t.failed for t in flat)
         if flat and failed / len(flat) > cfg.max_failed_ratio:
-            errors = "; ".join(t.error for t in flat if t.failed)[:2000]
-            raise RuntimeError(f"{failed}/{len(flat)} trajectories failed (more than "
-                               f"actor.rollout.max_failed_ratio={cfg.max_failed_ratio}): {errors}")
-        return kept, self.metrics(seen, filtered, tries, n)
+            errors = "\n  ".join(f"{t.uid}: {t.error}" for t in flat if t.failed)
+            raise RuntimeError(
+                f"{failed}/{len(flat)} trajectories failed, more than actor.rollout.max_failed_ratio="
+                f"{cfg.max_failed_ratio}; errors (also in {dump_path or 'the rollout dump'}):\n  "
+                f"{errors[:3000]}")
+        if failed:
+            logger.warning(f"{failed}/{len(flat)} trajectories failed (env errors); their groups "
+                           f"are left out of the update. First: {next(t.error for t in flat if t.failed)}")
+        metrics = self.metrics(seen, n)
+        metrics.update(filtered_groups=float(status.count("filtered")),
+                       failed_groups=float(status.count("failed")), rollout_tries=float(tries))
+        return kept, metrics
 
     @staticmethod
-    def metrics(groups: list[list], filtered: int, tries: int, n: int) -> dict:
+    def metrics(groups: list[list], n: int) -> dict:
         flat = [t for g in groups for t in g]
         rewards = torch.tensor([t.reward for t in flat], dtype=torch.float64)
         scores = torch.tensor([t.score for t in flat], dtype=torch.float64)
@@ -128,9 +155,11 @@ class Rollout:
             "score": scores.mean().item(), "score_std": scores.std().item() if len(flat) > 1 else 0.0,
             "response_length": lengths.mean().item(),
             "truncated_ratio": sum(t.truncated for t in flat) / len(flat),
+            # the last turn stopped by max_new_tokens rather than a stop token / eos
+            "clipped_ratio": sum(bool(t.turns) and t.turns[-1].get("finish_reason") == "length"
+                                 for t in flat) / len(flat),
             "turns": sum(t.num_turns for t in flat) / len(flat),
             "failed": float(sum(t.failed for t in flat)),
-            "filtered_groups": float(filtered), "rollout_tries": float(tries),
         }
         # mean@n and pass@n per data source (score > 0 counts as a pass).
         by_source = defaultdict(list)
@@ -141,16 +170,49 @@ class Rollout:
             out[f"{src}/pass@{n}"] = sum(any(t.score > 0 for t in g) for g in gs) / len(gs)
         return out
 
-    def dump(self, groups: list[list], path: str):
+    @staticmethod
+    def dump(groups: list[list], status: list[str], path: str):
         if dist.get_rank() != 0:
             return
         os.makedirs(os.path.dirname(path), exist_ok=True)
         with open(path, "a") as f:
-            for g in groups:
+            for g, st in zip(groups, status):
                 for t in g:
-                    f.write(json.dumps(t.to_json()) + "\n")
+                    f.write(json.dumps(dict(t.to_json(), group_status=st)) + "\n")
 
     def shutdown(self):
         if self.engine is not None:
             self.engine.shutdown()
+        # Let cancelled tasks (the engine's scheduler) finish before the loop closes.
+        pending = asyncio.all_tasks(self.loop)
+        for task in pending:
+            task.cancel()
+        if pending:
+            self.loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
         self.loop.close()
+
+
+def shape_overlong(traj, max_new_tokens: int, buffer: int, penalty: float) -> float:
+    """DAPO soft overlong punishment, per turn: a turn of L action tokens with
+    L > max_new_tokens - buffer loses penalty * (L - (max_new_tokens - buffer)) / buffer (at most
+    `penalty`), added to the reward on its last token and to traj.reward. A turn is a maximal run
+    of action tokens in a sequence. Returns the total penalty."""
+    start, total = max_new_tokens - buffer, 0.0
+    for s in traj.samples:
+        mask = s["action_mask"].tolist()
+        t = 0
+        while t < len(mask):
+            if not mask[t]:
+                t += 1
+                continue
+            end = t
+            while end + 1 < len(mask) and mask[end + 1]:
+                end += 1
+            length = end - t + 1
+            if length > start:
+                p = penalty * min(1.0, (length - start) / buffer)
+                s["rewards"][end] -= p
+                total += p
+            t = end + 1
+    traj.reward -= total
+    return total

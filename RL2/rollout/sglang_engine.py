@@ -5,7 +5,8 @@ RL2 `Engine` interface.
   sample (n calls share the prompt through SGLang's radix cache; each gets its own derived seed).
   Token ids and log-probs come from `meta_info["output_token_logprobs"]`, entries
   (logprob, token_id, text). SGLang's log-probs are log_softmax(logits / T) before top-p/top-k
-  (greedy: T = 1), like the torch engine.
+  (greedy: T = 1), like the torch engine. Seeds go in as `sampling_seed` when this SGLang has it
+  (SGLang applies it under its deterministic-inference mode).
 - update_weights: full tensors in dtype-homogeneous buckets of bounded size
   (`make_buckets`), `update_weights_from_tensor` per bucket, flush_cache only on the last one.
 - release/resume_memory: `release_memory_occupation` / `resume_memory_occupation` with tags
@@ -16,6 +17,7 @@ RL2 `Engine` interface.
   `loop.run_until_complete` internally.
 """
 import asyncio
+import inspect
 import logging
 import socket
 from typing import Iterable, Iterator
@@ -51,6 +53,20 @@ def make_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]],
             yield bucket
 
 
+def param_names(cls) -> set[str]:
+    """Constructor parameter names of an SGLang config class (dataclass, msgspec Struct or plain)."""
+    fields = getattr(cls, "__struct_fields__", None) or getattr(cls, "__dataclass_fields__", None)
+    return set(fields) if fields else set(inspect.signature(cls).parameters)
+
+
+def _accepts_seed() -> bool:
+    try:
+        from sglang.srt.sampling.sampling_params import SamplingParams as SGLangSamplingParams
+    except ImportError:
+        return False
+    return "sampling_seed" in param_names(SGLangSamplingParams)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -78,16 +94,18 @@ class SGLangEngine(Engine):
             base_gpu_id=base_gpu_id, port=port or _free_port(),
             enable_memory_saver=enable_memory_saver, **server_args)
         self.loop = self.engine.loop
+        self.accepts_seed = _accepts_seed()
+        if not self.accepts_seed:
+            logger.warning("this SGLang has no sampling_seed: seeded requests are not reproducible")
 
-    @staticmethod
-    def _sampling_params(params: SamplingParams, seed: int | None) -> dict:
+    def _sampling_params(self, params: SamplingParams, seed: int | None) -> dict:
         out = dict(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k if params.top_k > 0 else -1,
                    max_new_tokens=params.max_new_tokens, skip_special_tokens=False)
         if params.stop:
             out["stop"] = list(params.stop)
         if params.stop_token_ids:
             out["stop_token_ids"] = [int(t) for t in params.stop_token_ids]
-        if seed is not None:
+        if seed is not None and self.accepts_seed:
             out["sampling_seed"] = seed
         return out
 

@@ -7,12 +7,17 @@ Design (continuous batching over one left-padded batch KV cache):
   1. admit: all waiting requests (bounded by `max_batch_size` rows and `max_prefill_tokens`
      padded prompt tokens) are prefilled together in one left-padded forward pass; each prompt is
      prefilled once and its cache rows repeated for its n samples; the first tokens are sampled;
-     the new cache is left-padded to the running cache's width and concatenated on the batch dim.
+     the new rows join the running cache, right-aligned (left padding).
   2. decode: one forward of the whole running batch (one token per row, explicit per-row
-     position_ids and a 2-D padding mask, so left padding never shifts RoPE positions); finished
-     rows are evicted at once and leading all-padding cache columns are trimmed.
+     position_ids and a 2-D padding mask, so padding never shifts RoPE positions); finished rows
+     are evicted at once and leading all-padding cache columns are dropped.
   A request that arrives mid-decode joins at the next step instead of waiting for the batch to
-  drain (the static-batching alternative). Padding costs attention width only.
+  drain (static batching). Padding costs attention width only.
+- KV memory (`_BatchKV`): preallocated per-layer buffers written in place (no per-step
+  concatenation); an evicted row is replaced by one live row from the end of the batch.
+- Prefix cache: the KV of each finished sample (prompt + response) is kept, LRU-bounded by
+  `prefix_cache_tokens`; a later prompt that extends it (the next turn of a multi-turn agent)
+  prefills only its new tokens. Dropped on update_weights and release_memory.
 - Sampling per row: log-probs are log_softmax(logits / T) (T=1 for greedy) of the chosen token,
   before top-k/top-p. Sampled rows draw one uniform per token from their own torch.Generator
   (seeded from (seed, sample index)) and invert the CDF of their (optionally top-k/top-p
@@ -46,8 +51,10 @@ from RL2.rollout.engine import Engine, GenerationOutput, SamplingParams, derive_
 
 logger = logging.getLogger(__name__)
 
+GREEDY_BELOW = 1e-6  # temperatures below this decode greedily (as SGLang does), log-probs at T=1
 
-@dataclass
+
+@dataclass(eq=False)
 class _Request:
     prompt: list[int]
     params: SamplingParams
@@ -56,14 +63,13 @@ class _Request:
     seqs: list["_Seq"] = field(default_factory=list)
 
 
-@dataclass
+@dataclass(eq=False)
 class _Seq:
     req: _Request
     gen: torch.Generator | None          # None for greedy
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     finish: str | None = None
-
 
 
 class _BufferLayer(DynamicLayer):
@@ -111,8 +117,10 @@ class _BatchKV:
         row_cap, len_cap = self.k[0].shape[0], self.k[0].shape[2]
         width = self.end - self.start
         if self.rows + r > row_cap or self.end - w < 0:
+            # grow; keep some free columns on the left for later, longer prompts
             needed = max(width, w)
-            self._realloc(max(self.rows + r, 2 * row_cap), max(len_cap, 2 * needed + 16), needed - width)
+            len_cap = max(len_cap, 2 * needed + 16)
+            self._realloc(max(self.rows + r, 2 * row_cap), len_cap, needed - width + (len_cap - needed) // 4)
         for bufs, new in ((self.k, keys), (self.v, values)):
             for buf, x in zip(bufs, new):
                 buf[self.rows:self.rows + r, :, self.end - w:self.end] = x
@@ -123,7 +131,8 @@ class _BatchKV:
         """Make room for q more columns before a forward pass."""
         if self.end + q > self.k[0].shape[2]:
             width = self.end - self.start
-            self._realloc(self.k[0].shape[0], 2 * (width + q) + 16, 0)
+            len_cap = 2 * (width + q) + 16
+            self._realloc(self.k[0].shape[0], len_cap, (len_cap - width - q) // 4)
 
     def write(self, li: int, k: torch.Tensor, v: torch.Tensor):
         q = k.shape[2]
@@ -233,7 +242,7 @@ class TorchEngine(Engine):
                        self._eos_ids | frozenset(int(t) for t in params.stop_token_ids))
         for i in range(params.n):
             gen = None
-            if params.temperature > 0:
+            if params.temperature >= GREEDY_BELOW:
                 seed = (derive_seed(params.seed, i) if params.seed is not None
                         else self._rng.getrandbits(63))
                 gen = torch.Generator().manual_seed(seed)
@@ -314,14 +323,21 @@ class TorchEngine(Engine):
             raise
 
     def _reset_batch(self) -> None:
+        self._admitting: list[_Request] = []  # taken from the queue, being prefilled
         self._rows: list[_Seq] = []     # one running sample per cache row
         self._kv = _BatchKV()           # their KV cache, [B, heads, T, head_dim] per layer
         self._mask = None               # [B, T] long, 0 = padding
         self._lens = None               # [B] real tokens in the cache (= next position id)
         self._last = None               # [B] last sampled token, not yet in the cache
 
+    def _pending(self) -> list[_Request]:
+        """Every request not yet answered: being admitted, decoding, or waiting."""
+        reqs = {id(r): r for r in self._admitting}
+        reqs.update((id(s.req), s.req) for s in self._rows)
+        return list(reqs.values()) + self._waiting
+
     def _fail_all(self, exc: Exception) -> None:
-        reqs = list({id(s.req): s.req for s in self._rows}.values()) + self._waiting
+        reqs = self._pending()
         self._waiting = []
         self._reset_batch()
         for req in reqs:
@@ -329,7 +345,7 @@ class TorchEngine(Engine):
                 req.future.set_exception(exc)
 
     def _abort_all(self) -> None:
-        reqs = list({id(s.req): s.req for s in self._rows}.values()) + self._waiting
+        reqs = self._pending()
         self._waiting = []
         self._reset_batch()
         for req in reqs:
@@ -343,7 +359,6 @@ class TorchEngine(Engine):
     # ---------------------------------------------------------------- model steps
     def _check_cache_layout(self) -> None:
         from transformers import DynamicCache
-        from transformers.cache_utils import DynamicLayer
 
         layers = DynamicCache(config=self.model.config).layers
         if any(type(layer) is not DynamicLayer for layer in layers):
@@ -367,6 +382,7 @@ class TorchEngine(Engine):
             if req.future.done():  # caller gave up before admission
                 continue
             batch.append(req)
+            self._admitting = batch  # if the prefill fails, these callers get the error too
             hits.append(hit)
             rows, width = rows + req.params.n, new_width
         if not batch:
@@ -407,12 +423,14 @@ class TorchEngine(Engine):
         for req in batch:
             self._deliver(req)
         if not keep:
+            self._admitting = []
             return
         keep_t = torch.tensor(keep, device=self.device)
         rows_src = src.index_select(0, keep_t)
         cache.batch_select_indices(rows_src)
         self._merge(cache, mask.index_select(0, rows_src), [seqs[j] for j in keep],
                     torch.tensor([tokens[j][0] for j in keep], device=self.device))
+        self._admitting = []
 
     # ---------------------------------------------------------------- prefix cache
     def _prefix_lookup(self, prompt: list[int]) -> tuple[int, list | None]:
@@ -504,12 +522,13 @@ class TorchEngine(Engine):
     def _sample(self, logits: torch.Tensor, seqs: list[_Seq]) -> list[tuple[int, float]]:
         """Choose one token per row; return (token, log_softmax(logits/T)[token]) per row."""
         params = [seq.req.params for seq in seqs]
-        temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params],
+        temps = torch.tensor([p.temperature if p.temperature >= GREEDY_BELOW else 1.0 for p in params],
                              device=logits.device)
         logp = torch.log_softmax(logits / temps[:, None], dim=-1)
         tokens = logits.argmax(-1)
-        plain = [j for j, p in enumerate(params) if p.temperature > 0 and p.top_k <= 0 and p.top_p >= 1]
-        filtered = [j for j, p in enumerate(params) if p.temperature > 0 and (p.top_k > 0 or p.top_p < 1)]
+        sampled = [p.temperature >= GREEDY_BELOW for p in params]
+        plain = [j for j, p in enumerate(params) if sampled[j] and p.top_k <= 0 and p.top_p >= 1]
+        filtered = [j for j, p in enumerate(params) if sampled[j] and (p.top_k > 0 or p.top_p < 1)]
         if plain:
             rows = torch.tensor(plain, device=logits.device)
             tokens[rows] = self._invert_cdf(logp[rows].exp(), [seqs[j] for j in plain])

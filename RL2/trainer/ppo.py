@@ -1,26 +1,29 @@
-"""PPO / GRPO / REINFORCE with async multi-turn environments.
+"""PPO / GRPO / Dr. GRPO / REINFORCE(++) / RLOO with async multi-turn environments.
 
     torchrun --nproc_per_node=N -m RL2.trainer.ppo actor.model_name=... data.train.path=... \
         actor.rollout.env_path=envs/countdown.py
 
 One step: rollout -> reference log-probs -> values -> old log-probs -> advantages -> actor and
-critic updates -> weight sync to the engine.
+critic updates -> weight sync to the engine. The algorithm variant is configuration only
+(`adv.estimator`, `kl.*`, `actor.avg_level`, ...; presets in RL2/config/ppo.yaml).
 """
+import logging
 import os
 import time
 from contextlib import contextmanager
 from functools import partial
 
-import torch
-
-from RL2.algorithms.advantages import apply_kl_to_rewards, compute_gae, outcome_advantages
+from RL2.algorithms.advantages import OUTCOME_ESTIMATORS
+from RL2.algorithms.losses import AVG_LEVELS, KL_ESTIMATORS
 from RL2.data.formats import tokenize_prompt
-from RL2.rollout.env import load_env
+from RL2.rollout.env import EnvError, load_env
 from RL2.rollout.rollout import Rollout
 from RL2.trainer.base import Trainer
 from RL2.utils.config import load_config
 from RL2.workers.actor import Actor
-from RL2.workers.ppo_update import actor_update, critic_update
+from RL2.workers.ppo_update import actor_update, compute_advantages, critic_update, engine_kl
+
+logger = logging.getLogger("RL2")
 
 
 @contextmanager
@@ -30,15 +33,70 @@ def timed(timings: dict, name: str):
     timings[f"time/{name}"] = time.perf_counter() - start
 
 
+def check_config(cfg):
+    """Cross-key checks that need no model, so a typo stops the run in seconds. Raises SystemExit
+    with what to change."""
+    a, r, problems = cfg.actor, cfg.actor.rollout, []
+    estimators = (*OUTCOME_ESTIMATORS, "gae")
+    if cfg.adv.estimator not in estimators:
+        problems.append(f"adv.estimator={cfg.adv.estimator!r}: use one of {estimators}")
+    if cfg.kl.type not in ("reward", "loss"):
+        problems.append(f"kl.type={cfg.kl.type!r}: use reward or loss")
+    for key in ("reward_estimator", "loss_estimator"):
+        if cfg.kl[key] not in KL_ESTIMATORS:
+            problems.append(f"kl.{key}={cfg.kl[key]!r}: use one of {KL_ESTIMATORS}")
+    if cfg.kl.coef < 0:
+        problems.append(f"kl.coef={cfg.kl.coef} must be >= 0")
+    for w in ("actor", "critic"):
+        if cfg[w].avg_level not in AVG_LEVELS:
+            problems.append(f"{w}.avg_level={cfg[w].avg_level!r}: use one of {AVG_LEVELS}")
+        if cfg[w].update_per_rollout < 1:
+            problems.append(f"{w}.update_per_rollout={cfg[w].update_per_rollout} must be >= 1")
+    if a.dual_clip is not None and a.dual_clip <= 1:
+        problems.append(f"actor.dual_clip={a.dual_clip} must be > 1 (or null)")
+    if a.tis_coef is not None and a.tis_coef <= 0:
+        problems.append(f"actor.tis_coef={a.tis_coef} must be > 0 (or null)")
+    if a.freeze_steps and cfg.adv.estimator != "gae":
+        problems.append("actor.freeze_steps warms up the critic: it needs adv.estimator=gae")
+    n = r.responses_per_prompt
+    if cfg.adv.estimator == "rloo" and n < 2:
+        problems.append("adv.estimator=rloo needs actor.rollout.responses_per_prompt >= 2")
+    if r.dynamic_filtering and n < 2:
+        problems.append("actor.rollout.dynamic_filtering drops groups with equal rewards: "
+                        "it needs actor.rollout.responses_per_prompt >= 2")
+    if r.overlong_buffer and r.overlong_buffer >= r.train_sampling_params.max_new_tokens:
+        problems.append(f"actor.rollout.overlong_buffer={r.overlong_buffer} must be smaller than "
+                        f"train_sampling_params.max_new_tokens={r.train_sampling_params.max_new_tokens}")
+    if not 0 <= r.max_failed_ratio <= 1:
+        problems.append(f"actor.rollout.max_failed_ratio={r.max_failed_ratio} must be in [0, 1]")
+    # A rollout sequence must fit one micro-batch of every worker that reads it.
+    workers = ["actor"] + (["critic"] if cfg.adv.estimator == "gae" else [])
+    for w in workers:
+        c = cfg[w]
+        capacity = c.max_length_per_device * c.sp_size * c.tp_size
+        if r.max_length > capacity:
+            problems.append(f"actor.rollout.max_length={r.max_length} exceeds {w}.max_length_per_device"
+                            f"*sp_size*tp_size={capacity}: lower the first or raise the second")
+    if problems:
+        raise SystemExit("invalid PPO config:\n  " + "\n  ".join(problems))
+    if cfg.adv.estimator in ("reinforce", "rloo") and n == 1:
+        logger.warning("responses_per_prompt=1 with a group baseline: every advantage is 0")
+
+
 class PPOTrainer(Trainer):
     def __init__(self, cfg):
+        # Cheap checks first: a bad config or env script stops the run before any model loads.
+        check_config(cfg)
+        r = cfg.actor.rollout
+        try:
+            env = load_env(r.env_path, dict(r.env_args), r.env_timeout)
+        except EnvError as e:
+            raise SystemExit(f"environment error: {e}") from None
         super().__init__(cfg)
-        r, d = cfg.actor.rollout, cfg.data.train
-        # Cheap checks first: a broken env script or data file stops the run before any model loads.
-        self.env = load_env(r.env_path, dict(r.env_args), r.env_timeout)
+        self.env, d = env, cfg.data.train
         tokenize = partial(tokenize_prompt, tokenizer=self.tokenizer, prompt_key=d.prompt_key,
                            messages_key=d.messages_key, apply_chat_template=d.apply_chat_template,
-                           max_length=d.max_length, prompt_required=self.env.has_reset)
+                           max_length=d.max_length, prompt_required=not self.env.has_reset)
         self.train_prompts, self.test_prompts = [self._index(p) for p in self.load_splits(tokenize)]
         self.n_steps = self.total_steps(len(self.train_prompts), r.prompts_per_rollout)
         seed = cfg.trainer.seed
@@ -48,8 +106,7 @@ class PPOTrainer(Trainer):
         if cfg.adv.estimator == "gae":
             from RL2.workers.critic import Critic
 
-            self.critic = Critic(cfg.critic, self.device, value_head=True,
-                                 total_steps=self.n_steps, seed=seed)
+            self.critic = Critic(cfg.critic, self.device, total_steps=self.n_steps, seed=seed)
         self.rollout = Rollout(r, self.tokenizer, self.env, cfg.actor.model_name, self.device, seed)
         self.maybe_resume()
         self.rollout.sync(self.actor.model)  # the engine serves exactly the trainer's weights
@@ -57,7 +114,7 @@ class PPOTrainer(Trainer):
     @staticmethod
     def _index(prompts: list[dict]) -> list[dict]:
         for i, p in enumerate(prompts):
-            p["index"] = i
+            p["index"] = i  # identifies the prompt in seeds and uids
             if p.get("data_source") is not None:
                 p["extra_info"].setdefault("data_source", p["data_source"])
         return prompts
@@ -70,7 +127,9 @@ class PPOTrainer(Trainer):
 
     def prompts_for(self, step: int, k: int) -> list[dict]:
         """Prompts of a step: the sampler's batch, then (k > 0, refills after dynamic filtering)
-        further prompts drawn deterministically from (seed, step, k)."""
+        further batches, drawn as a pure function of (seed, step, k) so resumed runs repeat them."""
+        import torch
+
         if k == 0:
             idx = self.sampler.batch(step)
         else:
@@ -79,21 +138,28 @@ class PPOTrainer(Trainer):
                 :self.cfg.actor.rollout.prompts_per_rollout].tolist()
         return [self.train_prompts[i] for i in idx]
 
+    def dump_path(self, name: str) -> str | None:
+        if not self.cfg.actor.rollout.dump_rollouts:
+            return None
+        return os.path.join(self.run_dir, "rollouts", f"{name}.jsonl")
+
     # ----- the algorithm -----
     def train_step(self, step: int) -> dict:
         cfg, timings = self.cfg, {}
         temperature = cfg.actor.rollout.train_sampling_params.temperature or 1.0
         with timed(timings, "rollout"):
-            groups, rollout_metrics = self.rollout.run(partial(self.prompts_for, step), step)
+            groups, rollout_metrics = self.rollout.run(
+                partial(self.prompts_for, step), step, dump_path=self.dump_path(f"step{step + 1}"))
             self.rollout.release()
-        if cfg.actor.rollout.dump_rollouts:
-            self.rollout.dump(groups, os.path.join(self.run_dir, "rollouts", f"step{step + 1}.jsonl"))
+        metrics = {f"rollout/{k}": v for k, v in rollout_metrics.items()}
+        # Flatten to sequences; owner[i] = index of the trajectory that sequence i belongs to.
+        trajectories = [t for g in groups for t in g]
         samples, owner = [], []
-        for t_index, traj in enumerate(t for g in groups for t in g):
+        for t_index, traj in enumerate(trajectories):
             samples.extend(traj.samples)
             owner.extend([t_index] * len(traj.samples))
-        metrics = {f"rollout/{k}": v for k, v in rollout_metrics.items()}
         if not any(s["action_mask"].sum() > 0 for s in samples):
+            logger.warning(f"step {step + 1}: no trainable tokens (every group filtered or failed)")
             with timed(timings, "sync"):
                 self.rollout.sync(self.actor.model)
             return {**metrics, **timings}
@@ -107,69 +173,40 @@ class PPOTrainer(Trainer):
                 values = self.critic.compute_values(samples)
             samples = [dict(s, values=v) for s, v in zip(samples, values)]
         kl_reward = cfg.kl.coef > 0 and cfg.kl.type == "reward"
+        # Old log-probs are only needed when the policy moves before a sample is used (several
+        # mini-batches), for TIS, or for a KL penalty in the reward; else the ratio is exactly 1.
         if cfg.actor.update_per_rollout > 1 or cfg.actor.tis_coef or kl_reward:
             with timed(timings, "old_logps"):
                 old = self.actor.compute_logps(samples, temperature)
             samples = [dict(s, old_logps=lp) for s, lp in zip(samples, old)]
             metrics["rollout/engine_kl"] = engine_kl(samples)
         with timed(timings, "advantages"):
-            samples, adv_metrics = self.advantages(samples, owner, len(groups), kl_reward)
+            samples, adv_metrics = compute_advantages(samples, owner, len(trajectories), len(groups),
+                                                      cfg.adv, cfg.kl)
         metrics.update(adv_metrics)
 
         with timed(timings, "update"):
             if self.critic is not None:
-                metrics.update({f"critic/{k}": v for k, v in
-                                critic_update(self.critic, samples, cfg.critic, cfg.trainer.seed + step).items()})
-            if step >= cfg.actor.freeze_steps:
-                metrics.update({f"actor/{k}": v for k, v in
-                                actor_update(self.actor, samples, cfg.actor, cfg.kl, cfg.trainer.seed + step).items()})
+                critic_metrics = critic_update(self.critic, samples, cfg.critic, cfg.trainer.seed + step)
+                metrics.update({f"critic/{k}": v for k, v in critic_metrics.items()})
+            if step >= cfg.actor.freeze_steps:  # critic warm-up: the actor waits
+                actor_metrics = actor_update(self.actor, samples, cfg.actor, cfg.kl, cfg.trainer.seed + step)
+                metrics.update({f"actor/{k}": v for k, v in actor_metrics.items()})
         with timed(timings, "sync"):
             self.rollout.sync(self.actor.model)
         timings["time/step"] = sum(timings.values())
         return {**metrics, **timings}
 
-    def advantages(self, samples, owner, n_prompts, kl_reward) -> tuple[list[dict], dict]:
-        cfg = self.cfg
-        rewards = [s["rewards"] for s in samples]
-        if kl_reward:
-            rewards = [apply_kl_to_rewards(r, s["old_logps"], s["ref_logps"], s["action_mask"],
-                                           cfg.kl.coef, cfg.kl.reward_estimator)
-                       for r, s in zip(rewards, samples)]
-        if cfg.adv.estimator == "gae":
-            out = []
-            for s, r in zip(samples, rewards):
-                adv, ret = compute_gae(r, s["values"], s["action_mask"], cfg.adv.gamma, cfg.adv.lamda)
-                out.append(dict(s, advantages=adv, returns=ret))
-        else:
-            n_traj = max(owner) + 1
-            scores = torch.zeros(n_traj, dtype=torch.float64)
-            for o, r in zip(owner, rewards):
-                scores[o] += r.double().sum()
-            per_traj = outcome_advantages(scores.view(n_prompts, -1), cfg.adv.estimator,
-                                          norm_var=cfg.adv.norm_var).flatten()
-            out = [dict(s, advantages=per_traj[o].item() * s["action_mask"].float())
-                   for s, o in zip(samples, owner)]
-        masks = torch.cat([s["action_mask"] for s in out]).bool()
-        adv = torch.cat([s["advantages"] for s in out])[masks]
-        return out, {"adv/mean": adv.mean().item(), "adv/std": adv.std().item() if adv.numel() > 1 else 0.0}
-
     def evaluate(self) -> dict:
         if not self.test_prompts:
             return {}
-        _, metrics = self.rollout.run(lambda k: self.test_prompts, self.step, train=False)
+        _, metrics = self.rollout.run(lambda k: self.test_prompts, self.step, train=False,
+                                      dump_path=self.dump_path(f"test_step{self.step}"))
         return {f"test/{k}": v for k, v in metrics.items()}
 
     def close(self):
         self.rollout.shutdown()
         super().close()
-
-
-def engine_kl(samples) -> float:
-    """Mean (trainer - engine) log-prob gap on action tokens: how far the engine's sampling
-    distribution is from the trainer's (numerics, stale weights)."""
-    num = sum(((s["old_logps"] - s["engine_logps"]) * s["action_mask"]).sum().item() for s in samples)
-    den = sum(s["action_mask"].sum().item() for s in samples)
-    return num / max(den, 1.0)
 
 
 def main():

@@ -9,14 +9,14 @@ from omegaconf import DictConfig, OmegaConf
 def load_config(name: str, overrides: list[str] | None = None) -> DictConfig:
     from hydra import compose, initialize_config_module
     from hydra.core.global_hydra import GlobalHydra
-    from hydra.errors import ConfigCompositionException
+    from hydra.errors import HydraException
 
     overrides = list(sys.argv[1:] if overrides is None else overrides)
     GlobalHydra.instance().clear()
     with initialize_config_module("RL2.config", version_base=None):
         try:
             cfg = compose(config_name=name, overrides=overrides)
-        except ConfigCompositionException as e:
+        except HydraException as e:
             cause = e.__cause__ or e
             raise SystemExit(f"config error in {name}.yaml overrides {overrides}: {cause}") from None
     missing = sorted(OmegaConf.missing_keys(cfg))

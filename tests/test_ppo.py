@@ -1,0 +1,200 @@
+"""PPO trainer pieces, in process: advantages over multi-turn trajectories (hand-computed),
+overlong shaping, filtering / refill / failure budget of a rollout, config checks."""
+import json
+import math
+
+import pytest
+import torch
+
+from RL2.rollout import rollout as rollout_mod
+from RL2.rollout.rollout import Rollout, shape_overlong
+from RL2.rollout.trajectory import Trajectory
+from RL2.trainer.ppo import check_config
+from RL2.utils.config import load_config
+from RL2.workers.ppo_update import compute_advantages, mini_batches
+
+REQUIRED = ["actor.model_name=m", "data.train.path=d", "actor.rollout.env_path=e"]
+
+
+def cfg_with(*overrides):
+    return load_config("ppo", REQUIRED + list(overrides))
+
+
+def t(*xs):
+    return torch.tensor(xs, dtype=torch.float32)
+
+
+def sample(mask, rewards, values=None, **extra):
+    s = {"action_mask": t(*mask), "rewards": t(*rewards), "input_ids": torch.zeros(len(mask), dtype=torch.long)}
+    if values is not None:
+        s["values"] = t(*values)
+    return dict(s, **{k: t(*v) for k, v in extra.items()})
+
+
+def multi_turn_batch():
+    """Trajectory 0 = two sequences: A (prompt, turn 1, env tokens, turn 2 -- merged) and B (a new
+    sequence after a non-extending state, turn 3); trajectory 1 = one sequence C. Values of
+    non-action positions are 9 so that any leak into GAE shows."""
+    a = sample([0, 0, 1, 1, 0, 0, 1], [0, 0, 0, 0.5, 0, 0, 0], [9, 9, 0.1, 0.2, 9, 9, 0.3])
+    b = sample([0, 1, 1], [0, 0, 1.0], [9, 0.4, 0.5])
+    c = sample([0, 1, 1, 1], [0, 0, 0, 0.5], [9, 0.6, 0.7, 0.8])
+    return [a, b, c], [0, 0, 1]
+
+
+def test_gae_chains_the_sequences_of_a_trajectory_and_skips_env_tokens():
+    samples, owner = multi_turn_batch()
+    cfg = cfg_with("adv.estimator=gae", "adv.gamma=0.9", "adv.lamda=0.8")
+    out, metrics = compute_advantages(samples, owner, 2, 1, cfg.adv, cfg.kl)
+    # Action chain of trajectory 0: r = [0, .5, 0, 0, 1], V = [.1, .2, .3, .4, .5], V_next ends at 0.
+    # deltas = [.08, .57, .06, .05, .5]; A_k = delta_k + .72 * A_{k+1}:
+    a0 = [0.67453568, 0.825744, 0.3552, 0.41, 0.5]
+    expected_a = [0, 0, a0[0], a0[1], 0, 0, a0[2]]
+    expected_b = [0, a0[3], a0[4]]
+    # Trajectory 1: r = [0, 0, .5], V = [.6, .7, .8]: deltas = [.03, .02, -.3]
+    a1 = [0.03 + 0.72 * (0.02 + 0.72 * -0.3), 0.02 + 0.72 * -0.3, -0.3]
+    for got, want, s in zip([o["advantages"] for o in out], [expected_a, expected_b, [0] + a1], samples):
+        assert torch.allclose(got, t(*want), atol=1e-6), (got, want)
+        ret = torch.where(s["action_mask"].bool(), t(*want) + s["values"], 0.0)
+        assert torch.allclose(out[samples.index(s)]["returns"], ret, atol=1e-6)
+    assert set(metrics) >= {"adv/mean", "adv/std", "adv/values", "adv/returns", "adv/explained_var"}
+
+
+@pytest.mark.parametrize("estimator,norm_var,expected", [
+    ("reinforce", False, [0.5, -0.5]),                      # Dr. GRPO: score - group mean
+    ("reinforce", True, [0.5 / (0.5 ** 0.5 + 1e-6), -0.5 / (0.5 ** 0.5 + 1e-6)]),  # GRPO: / std
+    ("rloo", False, [1.0, -1.0]),                           # score - mean of the others
+])
+def test_outcome_advantage_reaches_every_action_token_of_every_sequence(estimator, norm_var, expected):
+    samples, owner = multi_turn_batch()  # trajectory scores 1.5 and 0.5, one group of two
+    cfg = cfg_with(f"adv.estimator={estimator}", f"adv.norm_var={norm_var}")
+    out, _ = compute_advantages(samples, owner, 2, 1, cfg.adv, cfg.kl)
+    for o, s, own in zip(out, samples, owner):
+        assert torch.allclose(o["advantages"], expected[own] * s["action_mask"], atol=1e-6)
+        assert "returns" not in o
+
+
+def test_kl_in_the_reward_lowers_the_trajectory_score():
+    samples, owner = multi_turn_batch()
+    # k1 per action token = old - ref = 1 on trajectory 0's 5 action tokens, 0 on trajectory 1's.
+    samples = [dict(s, old_logps=torch.full_like(s["rewards"], -1.0),
+                    ref_logps=torch.full_like(s["rewards"], -2.0 if o == 0 else -1.0))
+               for s, o in zip(samples, owner)]
+    cfg = cfg_with("kl.coef=0.1", "kl.type=reward", "kl.reward_estimator=k1")
+    out, metrics = compute_advantages(samples, owner, 2, 1, cfg.adv, cfg.kl)
+    # scores 1.5 - 0.5 = 1.0 and 0.5: mean 0.75
+    assert torch.allclose(out[0]["advantages"], 0.25 * samples[0]["action_mask"], atol=1e-6)
+    assert torch.allclose(out[2]["advantages"], -0.25 * samples[2]["action_mask"], atol=1e-6)
+    assert math.isclose(metrics["adv/kl_reward"], 2.5, rel_tol=1e-6)  # 5 tokens / 2 trajectories
+
+
+def test_global_norm_whitens_over_action_tokens():
+    samples, owner = multi_turn_batch()
+    cfg = cfg_with("adv.estimator=gae", "adv.global_norm=true")
+    out, _ = compute_advantages(samples, owner, 2, 1, cfg.adv, cfg.kl)
+    on = torch.cat([s["action_mask"] for s in samples]).bool()
+    adv = torch.cat([o["advantages"] for o in out])
+    assert abs(adv[on].mean().item()) < 1e-6 and math.isclose(adv[on].std().item(), 1.0, rel_tol=1e-5)
+    assert (adv[~on] == 0).all()
+
+
+def test_mini_batches_partition_the_batch_identically_for_a_seed():
+    batches = mini_batches(list(range(10)), 3, seed=4)
+    assert sorted(x for b in batches for x in b) == list(range(10)) and len(batches) == 3
+    assert batches == mini_batches(list(range(10)), 3, seed=4)
+
+
+def test_overlong_shaping_per_turn():
+    traj = Trajectory(uid="u", reward=1.0)
+    # turn 1: 5 action tokens, env tokens, turn 2: 3 action tokens; limit 6 with a buffer of 4
+    # -> penalties start above 2 tokens: 0.5 * 3/4 and 0.5 * 1/4, on each turn's last token.
+    traj.samples = [sample([0, 1, 1, 1, 1, 1, 0, 0, 1, 1, 1], [0] * 11)]
+    total = shape_overlong(traj, max_new_tokens=6, buffer=4, penalty=0.5)
+    assert math.isclose(total, 0.5, rel_tol=1e-6) and math.isclose(traj.reward, 0.5, rel_tol=1e-6)
+    expected = [0] * 11
+    expected[5], expected[10] = -0.375, -0.125
+    assert torch.allclose(traj.samples[0]["rewards"], t(*expected))
+
+
+# ----- rollout scheduling, with a scripted _generate (no engine) -----
+def fake_rollout(cfg, table, calls):
+    """table[index] = list of (reward, error or None) per response."""
+    r = Rollout.__new__(Rollout)
+    r.cfg = cfg.actor.rollout
+
+    def generate(prompts, params_cfg, n, tag):
+        calls.append((tag, [p["index"] for p in prompts]))
+        groups = []
+        for p in prompts:
+            g = []
+            for j, (reward, error) in enumerate(table[p["index"]][:n]):
+                traj = Trajectory(uid=f"{tag}-{p['index']}-{j}", reward=reward, score=reward,
+                                  failed=error is not None, error=error, num_turns=1,
+                                  extra_info={"data_source": "src"})
+                traj.samples = [sample([0, 1], [0, reward])]
+                g.append(traj)
+            groups.append(g)
+        return groups
+
+    r._generate = generate
+    return r
+
+
+def test_dynamic_filtering_refills_and_failed_groups_are_dropped(tmp_path, monkeypatch):
+    monkeypatch.setattr(rollout_mod.dist, "get_rank", lambda: 0)
+    cfg = cfg_with("actor.rollout.prompts_per_rollout=2", "actor.rollout.responses_per_prompt=2",
+                   "actor.rollout.dynamic_filtering=true", "actor.rollout.max_refill_tries=3")
+    table = {0: [(1, None), (1, None)],          # all equal: filtered
+             1: [(1, None), (0, None)],          # kept
+             2: [(0, None), (1, "step (turn 0): ValueError: boom")],  # a failure: dropped
+             3: [(0, None), (1, None)],          # kept (second batch)
+             4: [(0, None), (0, None)]}
+    batches = [[0, 1], [2, 3], [4, 1]]
+    calls = []
+    r = fake_rollout(cfg, table, calls)
+    dump = tmp_path / "step1.jsonl"
+    groups, m = r.run(lambda k: [{"index": i} for i in batches[k]], step=0, dump_path=str(dump))
+    assert [tag for tag, _ in calls] == ["train0", "train0.1"]  # refill tags give new seeds
+    assert [g[0].uid.split("-")[1] for g in groups] == ["1", "3"]
+    assert (m["filtered_groups"], m["failed_groups"], m["rollout_tries"], m["failed"]) == (1, 1, 2, 1)
+    assert m["src/mean@2"] == pytest.approx(5 / 8) and m["src/pass@2"] == 1.0
+    rows = [json.loads(line) for line in dump.read_text().splitlines()]
+    assert [r["group_status"] for r in rows] == ["filtered"] * 2 + ["kept"] * 2 + ["failed"] * 2 + ["kept"] * 2
+    assert rows[5]["error"] == "step (turn 0): ValueError: boom" and rows[5]["failed"]
+
+
+def test_refills_are_bounded_and_failures_over_budget_stop_the_run(tmp_path, monkeypatch):
+    monkeypatch.setattr(rollout_mod.dist, "get_rank", lambda: 0)
+    cfg = cfg_with("actor.rollout.prompts_per_rollout=1", "actor.rollout.responses_per_prompt=2",
+                   "actor.rollout.dynamic_filtering=true", "actor.rollout.max_refill_tries=2")
+    calls = []
+    r = fake_rollout(cfg, {0: [(1, None), (1, None)]}, calls)
+    groups, m = r.run(lambda k: [{"index": 0}], step=3)
+    assert groups == [] and len(calls) == 3 and m["filtered_groups"] == 3
+
+    cfg = cfg_with("actor.rollout.responses_per_prompt=2", "actor.rollout.max_failed_ratio=0.4")
+    ok = {0: [(0, None), (0, "step (turn 0): EnvTimeout: hung")], 1: [(0, None), (1, None)]}
+    groups, m = fake_rollout(cfg, ok, []).run(lambda k: [{"index": 0}, {"index": 1}], step=0)
+    assert len(groups) == 1 and m["failed"] == 1  # 1/4 failed: within budget, its group dropped
+    r = fake_rollout(cfg, {0: [(0, "step (turn 0): EnvTimeout: hung"), (0, "step: EnvError: bad dict")],
+                           1: [(0, None), (1, None)]}, [])
+    dump = tmp_path / "stop.jsonl"
+    with pytest.raises(RuntimeError, match=r"2/4 trajectories failed.*max_failed_ratio=0.4(.|\n)*hung"):
+        r.run(lambda k: [{"index": 0}, {"index": 1}], step=0, dump_path=str(dump))
+    assert "bad dict" in dump.read_text()  # the dump is written before the run stops
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["adv.estimator=grpo"], "adv.estimator"),
+    (["kl.type=both"], "kl.type"),
+    (["kl.loss_estimator=k4"], "kl.loss_estimator"),
+    (["actor.dual_clip=0.5"], "actor.dual_clip"),
+    (["actor.freeze_steps=3"], "needs adv.estimator=gae"),
+    (["adv.estimator=rloo", "actor.rollout.responses_per_prompt=1"], "rloo"),
+    (["actor.rollout.dynamic_filtering=true", "actor.rollout.responses_per_prompt=1"], "dynamic_filtering"),
+    (["actor.rollout.max_length=9000"], "actor.max_length_per_device"),
+    (["adv.estimator=gae", "critic.max_length_per_device=100"], "critic.max_length_per_device"),
+    (["actor.rollout.overlong_buffer=200"], "overlong_buffer"),
+])
+def test_bad_configs_stop_with_the_key_to_change(overrides, message):
+    with pytest.raises(SystemExit, match=message):
+        check_config(cfg_with(*overrides))

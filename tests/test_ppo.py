@@ -52,10 +52,10 @@ def test_gae_chains_the_sequences_of_a_trajectory_and_skips_env_tokens():
     expected_b = [0, a0[3], a0[4]]
     # Trajectory 1: r = [0, 0, .5], V = [.6, .7, .8]: deltas = [.03, .02, -.3]
     a1 = [0.03 + 0.72 * (0.02 + 0.72 * -0.3), 0.02 + 0.72 * -0.3, -0.3]
-    for got, want, s in zip([o["advantages"] for o in out], [expected_a, expected_b, [0] + a1], samples):
-        assert torch.allclose(got, t(*want), atol=1e-6), (got, want)
+    for o, want, s in zip(out, [expected_a, expected_b, [0] + a1], samples):
+        assert torch.allclose(o["advantages"], t(*want), atol=1e-6), (o["advantages"], want)
         ret = torch.where(s["action_mask"].bool(), t(*want) + s["values"], 0.0)
-        assert torch.allclose(out[samples.index(s)]["returns"], ret, atol=1e-6)
+        assert torch.allclose(o["returns"], ret, atol=1e-6)
     assert set(metrics) >= {"adv/mean", "adv/std", "adv/values", "adv/returns", "adv/explained_var"}
 
 

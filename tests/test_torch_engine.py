@@ -87,9 +87,10 @@ def test_greedy_matches_hf_generate_concurrent_and_staggered(model, monkeypatch)
     assert not engine._rows
 
 
-def test_multi_turn_prefix_reuse_matches_hf_and_is_dropped_on_update():
+@pytest.mark.parametrize("cache_mb", [512, 0.03, 0])  # roomy, a few entries (LRU), disabled
+def test_multi_turn_prefix_reuse_matches_hf_and_is_dropped_on_update(cache_mb):
     m1, m2 = tiny_model(seed=0), tiny_model(seed=1)
-    engine = TorchEngine(tiny_model(seed=0), None)
+    engine = TorchEngine(tiny_model(seed=0), None, prefix_cache_mb=cache_mb)
     greedy, obs = SamplingParams(temperature=0, max_new_tokens=8), [7, 8, 9]
 
     async def agent(i, prompt, turns=3):
@@ -99,7 +100,8 @@ def test_multi_turn_prefix_reuse_matches_hf_and_is_dropped_on_update():
         return prompt
     prompts = random_prompts(5, seed=11)
     contexts = asyncio.run(_gather(*[agent(i, p) for i, p in enumerate(prompts)]))
-    assert engine.stats["cached_prompt_tokens"] > 0
+    assert (engine.stats["cached_prompt_tokens"] > 0) == (cache_mb > 0)
+    assert engine._prefix_bytes <= engine.prefix_cache_bytes
     for prompt, context in zip(prompts, contexts):
         for _ in range(3):
             prompt = prompt + hf_greedy(m1, prompt, 8, eos=None) + obs

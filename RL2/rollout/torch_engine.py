@@ -16,7 +16,7 @@ Design (continuous batching over one left-padded batch KV cache):
 - KV memory (`_BatchKV`): preallocated per-layer buffers written in place (no per-step
   concatenation); an evicted row is replaced by one live row from the end of the batch.
 - Prefix cache: the KV of each finished sample (prompt + response) is kept, LRU-bounded by
-  `prefix_cache_tokens`; a later prompt that extends it (the next turn of a multi-turn agent)
+  `prefix_cache_mb`; a later prompt that extends it (the next turn of a multi-turn agent)
   prefills only its new tokens. Dropped on update_weights and release_memory.
 - Sampling per row: log-probs are log_softmax(logits / T) (T=1 for greedy) of the chosen token,
   before top-k/top-p. Sampled rows draw one uniform per token from their own torch.Generator
@@ -179,13 +179,13 @@ class TorchEngine(Engine):
     def __init__(self, model, tokenizer=None, *, device: str | torch.device | None = None,
                  dtype: torch.dtype | str = torch.float32, max_model_len: int | None = None,
                  max_batch_size: int = 256, max_prefill_tokens: int = 16384,
-                 prefix_cache_tokens: int = 65536, attn_implementation: str = "sdpa",
+                 prefix_cache_mb: float = 512, attn_implementation: str = "sdpa",
                  offload_weights: bool = True, seed: int = 0):
         """`model`: HF directory or an nn.Module (used as is, not copied). `tokenizer`: HF
         tokenizer, a path, or None (then no stop strings and no implicit eos). `offload_weights`:
         release_memory also moves the weights to CPU (only when the device is not CPU).
-        `prefix_cache_tokens`: KV of finished samples kept for reuse by later prompts that extend
-        them (0 disables)."""
+        `prefix_cache_mb`: memory for the KV of finished samples, kept for reuse by later prompts
+        that extend them (0 disables)."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         if isinstance(dtype, str):
@@ -205,7 +205,7 @@ class TorchEngine(Engine):
         self.max_model_len = int(max_model_len or cfg.max_position_embeddings)
         self.max_batch_size, self.max_prefill_tokens = max_batch_size, max_prefill_tokens
         self.offload_weights = offload_weights
-        self.prefix_cache_tokens = prefix_cache_tokens
+        self.prefix_cache_bytes = int(prefix_cache_mb * 2**20)
         self.clear_prefix_cache()
         self.stats = {"prefill_tokens": 0, "cached_prompt_tokens": 0}
         eos = getattr(tokenizer, "eos_token_id", None)
@@ -447,20 +447,21 @@ class TorchEngine(Engine):
 
     def _prefix_store(self, row: int) -> None:
         """Keep the cache row of a finished sample (prompt + all tokens but the last), LRU-bounded
-        by `prefix_cache_tokens`."""
+        by `prefix_cache_mb`."""
         seq = self._rows[row]
         key = tuple(seq.req.prompt + seq.tokens[:-1])
-        if key in self._prefix or len(key) > self.prefix_cache_tokens:
+        per_token = sum(2 * k.shape[1] * k.shape[3] * k.element_size() for k in self._kv.k)
+        if key in self._prefix or len(key) * per_token > self.prefix_cache_bytes:
             return
         cols = self._mask[row].nonzero()[:, 0]
         self._prefix[key] = [self._kv.row(li, row, cols) for li in range(len(self._kv.k))]
-        self._prefix_size += len(key)
-        while self._prefix_size > self.prefix_cache_tokens:
+        self._prefix_bytes += len(key) * per_token
+        while self._prefix_bytes > self.prefix_cache_bytes:
             old, _ = self._prefix.popitem(last=False)
-            self._prefix_size -= len(old)
+            self._prefix_bytes -= len(old) * per_token
 
     def clear_prefix_cache(self) -> None:
-        self._prefix, self._prefix_size = OrderedDict(), 0
+        self._prefix, self._prefix_bytes = OrderedDict(), 0
 
     def _merge(self, cache, mask, seqs, last) -> None:
         self._kv.add([layer.keys for layer in cache.layers], [layer.values for layer in cache.layers])
@@ -496,7 +497,7 @@ class TorchEngine(Engine):
         for j, seq in enumerate(self._rows):
             if self._append(seq, *tokens[j]):
                 done[id(seq.req)] = seq.req
-                if self.prefix_cache_tokens:
+                if self.prefix_cache_bytes:
                     self._prefix_store(j)
             else:
                 keep.append(j)

@@ -31,6 +31,7 @@ class Trainer:
         self.cfg = cfg
         self.device = init_distributed(cfg.trainer.device)
         setup_logging()
+        self.validate_layouts()
         seed_everything(cfg.trainer.seed)
         self.run_dir = os.path.abspath(os.path.join(cfg.trainer.save_dir, cfg.trainer.experiment_name))
         if is_rank0():
@@ -45,6 +46,19 @@ class Trainer:
             self.tokenizer.pad_token = self.tokenizer.eos_token
         logger.info(f"world size {dist.get_world_size()} on {self.device}; run dir {self.run_dir}")
         self.step = 0
+
+    def validate_layouts(self):
+        """Mesh sizes must divide the world size: checked before any data or model is loaded."""
+        from RL2.parallel.mesh import ParallelDims
+
+        for name in ("actor", "critic"):
+            w = self.cfg.get(name)
+            if w is None:
+                continue
+            try:
+                ParallelDims(dist.get_world_size(), w.ddp_size, w.tp_size, w.sp_size)
+            except ValueError as e:
+                raise SystemExit(f"{name}: {e}".replace("actor.", f"{name}."))
 
     # ----- data -----
     def load_splits(self, tokenize) -> tuple[list, list]:

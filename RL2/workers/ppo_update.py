@@ -122,11 +122,13 @@ def actor_update(actor, samples: list[dict], cfg, kl_cfg, seed: int) -> dict:
             if use_kl_loss:
                 kl = kl_estimator(logps, d["ref_logps"], kl_cfg.loss_estimator)
                 loss = loss + kl_cfg.coef * kl
-                sums["kl_loss"] += (kl.detach() * w).sum().item()
+                sums["kl_loss"] += (kl.detach() * w.double()).sum().item()
             if cfg.entropy_coef:
                 loss = loss - cfg.entropy_coef * out["entropy"]
             total = (loss * w).sum()
             total.backward()
+            # Metric sums in float64: their value must not depend on how tokens were split.
+            w = w.double()
             sums["loss"] += total.item()
             sums["clip_ratio"] += (stats["clipped"] * w).sum().item()
             sums["dual_clip_ratio"] += (stats["dual_clipped"] * w).sum().item()
@@ -155,7 +157,7 @@ def critic_update(critic, samples: list[dict], cfg, seed: int) -> dict:
             total = (loss * d["loss_weight"]).sum()
             total.backward()
             sums["value_loss"] += total.item()
-            sums["value_clip_ratio"] += (clipped * d["loss_weight"]).sum().item()
+            sums["value_clip_ratio"] += (clipped * d["loss_weight"].double()).sum().item()
         grad_norms.append(critic.step())
     metrics = {k: critic.all_reduce_metric(v) / len(batches) for k, v in sums.items()}
     metrics.update(grad_norm=sum(grad_norms) / len(grad_norms), lr=critic.lr)

@@ -142,12 +142,24 @@ class Worker:
         params = [p for p in self.model.parameters() if p.grad is not None]
         grad_norm = grad_norm_and_clip(params, self.cfg.max_grad_norm)
         if math.isfinite(grad_norm):
+            self._move_optimizer_state(self.device)
             self.optimizer.step()
+            self._move_optimizer_state("cpu")
         else:
             logger.warning(f"grad norm is {grad_norm}; skipping the optimizer step")
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         return grad_norm
+
+    def _move_optimizer_state(self, device: str):
+        """`offload_optimizer`: AdamW moments live on CPU between steps (CUDA only; on CPU the
+        state is already there)."""
+        if not (self.cfg.offload_optimizer and self.device == "cuda"):
+            return
+        for state in self.optimizer.state.values():
+            for k, v in state.items():
+                if torch.is_tensor(v) and k != "step":
+                    state[k] = v.to(device, non_blocking=True)
 
     @property
     def lr(self) -> float:

@@ -8,6 +8,8 @@ import torch
 from tests.run_utils import read_metrics, run_trainer, train_rows
 from tests.test_sft import assert_close, sft_args
 
+pytestmark = pytest.mark.slow  # 4-rank torchrun launches
+
 GRID = {
     "fsdp4": ["actor.max_length_per_device=64"],
     "ddp2xfsdp2": ["actor.ddp_size=2", "actor.max_length_per_device=48"],

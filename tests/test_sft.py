@@ -70,6 +70,7 @@ def test_loss_decreases_and_hf_export_reproduces_test_loss(assets, serial):
     assert math.isclose(total / n, expected, rel_tol=1e-5)
 
 
+@pytest.mark.slow
 def test_resume_after_crash_is_exact(assets, tmp_path):
     args = sft_args(assets, "trainer.total_steps=6", "actor.scheduler=cosine", "actor.warmup_ratio=0.3")
     straight = tmp_path / "straight"

@@ -18,3 +18,17 @@ def assets(tmp_path_factory):
                      intermediate=64)
     write_datasets(str(root / "data"), n_train=64, n_test=16)
     return {"root": root, "tokenizer": tok, "model": str(root / "model"), "data": str(root / "data")}
+
+
+@pytest.fixture(scope="session")
+def serial(assets, tmp_path_factory):
+    """The 1-process SFT reference runs (float32 and float64) that parallel runs must match."""
+    from tests.run_utils import run_trainer
+    from tests.test_sft import sft_args
+
+    out = {}
+    for dtype in ("float32", "float64"):
+        d = tmp_path_factory.mktemp(f"serial_{dtype}")
+        run_trainer("sft", 1, sft_args(assets, f"actor.dtype={dtype}", "actor.max_length_per_device=4096"), d)
+        out[dtype] = d
+    return out

@@ -20,16 +20,6 @@ def assert_close(a, b, rtol, what):
         assert math.isclose(x, y, rel_tol=rtol, abs_tol=0), f"{what}: {a} vs {b}"
 
 
-@pytest.fixture(scope="module")
-def serial(assets, tmp_path_factory):
-    out = {}
-    for dtype in ("float32", "float64"):
-        d = tmp_path_factory.mktemp(f"serial_{dtype}")
-        run_trainer("sft", 1, sft_args(assets, f"actor.dtype={dtype}", "actor.max_length_per_device=4096"), d)
-        out[dtype] = d
-    return out
-
-
 LAYOUTS = [
     (2, ["actor.max_length_per_device=64"]),
     (4, ["actor.ddp_size=2", "actor.max_length_per_device=96"]),

@@ -43,7 +43,8 @@ def hf_generate(model, prompts, max_new_tokens):
 
 
 def one_batch_workload(args, rng):
-    prompts = [[rng.randrange(args.vocab) for _ in range(rng.randint(8, 64))] for _ in range(args.prompts)]
+    tokens = lambda lo, hi: [rng.randrange(args.vocab) for _ in range(rng.randint(lo, hi))]
+    prompts = [tokens(8, 64) for _ in range(args.prompts)]
     return prompts, args.max_new_tokens
 
 
@@ -64,11 +65,12 @@ def bench_one_batch(model, engine, args):
 def agent_plan(args, seed):
     """Per agent: start delay, first prompt, and per turn (response length, env delay, obs tokens)."""
     rng = random.Random(seed)
+    tokens = lambda lo, hi: [rng.randrange(args.vocab) for _ in range(rng.randint(lo, hi))]
     plans = []
     for _ in range(args.agents):
-        turns = [(rng.randint(8, args.max_new_tokens), rng.uniform(0.0, 0.02),
-                  [rng.randrange(args.vocab) for _ in range(rng.randint(4, 16))]) for _ in range(args.turns)]
-        plans.append((rng.uniform(0, 0.05), [rng.randrange(args.vocab) for _ in range(rng.randint(8, 48))], turns))
+        turns = [(rng.randint(8, args.max_new_tokens), rng.uniform(0.0, 0.02), tokens(4, 16))
+                 for _ in range(args.turns)]
+        plans.append((rng.uniform(0, 0.05), tokens(8, 48), turns))
     return plans
 
 
@@ -156,7 +158,8 @@ def main():
     model = build_model(args)
     engine = TorchEngine(model, None)
     rows = []
-    for name, bench in [("(a) one batch", bench_one_batch), ("(b) multi-turn staggered", bench_multi_turn)]:
+    workloads = [("(a) one batch", bench_one_batch), ("(b) multi-turn staggered", bench_multi_turn)]
+    for name, bench in workloads:
         tokens, run_hf, run_engine = bench(model, engine, args)
         t_hf, t_engine = timed(run_hf, args.repeats), timed(run_engine, args.repeats)
         rows.append((name, tokens, tokens / t_engine, tokens / t_hf))

@@ -12,6 +12,7 @@ import argparse
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -82,10 +83,11 @@ def bench_one(size: str, nproc: int, root: str, args) -> tuple[list, str | None]
         proc, cmd = launch(nproc, model, data, run_dir, steps, args, gae)
         if proc.returncode == 0:
             break
-        err = [line for line in proc.stderr.splitlines() if "Error" in line or "error" in line]
-        msg = (err[-1] if err else proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else "?")
+        # The exception line of the rank traceback, e.g. "[rank0]: TypeError: ...".
+        err = [line for line in proc.stderr.splitlines() if re.search(r"\w+(Error|Exception): ", line)]
+        msg = err[-1] if err else f"exit code {proc.returncode}"
         note = f"{size}, {nproc} proc, {'GAE' if gae else 'no critic'}: failed: `{msg.strip()[:240]}`"
-        logger.warning(f"{' '.join(cmd)}\n{proc.stderr[-3000:]}")
+        logger.warning(f"{' '.join(cmd)}\n{proc.stderr[-1500:]}")
     else:
         return [], note
     rows = read_steps(run_dir)[1:]  # step 1 is the warm-up

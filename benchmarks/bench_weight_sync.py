@@ -34,13 +34,13 @@ def _build(size: str, seed: int = 0):
     return AutoModelForCausalLM.from_config(config)
 
 
-def _timed(fn, repeats: int) -> list[float]:
+def _timed(fn, repeats: int, collective: bool = False) -> list[float]:
     import torch.distributed as dist
 
     fn()  # warm-up
     out = []
     for _ in range(repeats):
-        if dist.is_initialized():
+        if collective:  # start every rank together
             dist.barrier()
         start = time.perf_counter()
         fn()
@@ -61,7 +61,7 @@ def _layout_worker(rank: int, world_size: int, tp: int, sizes: list[str], repeat
         dims = ParallelDims(world_size, 1, tp, 1, "cpu")
         parallelize(model, dims, param_dtype=torch.float32)
         engine = TorchEngine(_build(size, seed=1), None) if rank == 0 else None
-        times = _timed(lambda: sync_weights(model, engine, bucket_mb), repeats)
+        times = _timed(lambda: sync_weights(model, engine, bucket_mb), repeats, collective=True)
         n_bytes = sync_weights(model, engine, bucket_mb)["sync_bytes"]
         if rank == 0:
             # Correctness: after the sync the engine serves exactly the trainer's weights.

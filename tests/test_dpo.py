@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tests.run_utils import read_metrics, run_trainer, train_rows
-from tests.test_rm import assert_close
+from tests.test_rm import assert_close, bad_rows_file, serial_runs
 
 SFT_COEF = 0.1
 
@@ -20,17 +20,12 @@ def dpo_args(assets, *extra):
 
 @pytest.fixture(scope="module")
 def serial(assets, tmp_path_factory):
-    """1-process references (fp32 and fp64), one micro-batch per step."""
-    out = {}
-    for dtype in ("float32", "float64"):
-        d = tmp_path_factory.mktemp(f"dpo_serial_{dtype}")
-        run_trainer("dpo", 1, dpo_args(assets, f"actor.dtype={dtype}", "actor.max_length_per_device=4096"), d)
-        out[dtype] = d
-    return out
+    """serial(dtype): run dir of the 1-process reference (one micro-batch per step), run once."""
+    return serial_runs("dpo", dpo_args, assets, tmp_path_factory)
 
 
 def test_first_step_is_log2_and_matches_hf(assets, serial):
-    first = read_metrics(serial["float32"])[0]
+    first = read_metrics(serial("float32"))[0]
     # Policy == reference: every log-ratio is 0, so the DPO loss is log(2) and margins are 0.
     assert abs(first["train/dpo_loss"] - math.log(2)) < 1e-6
     for key in ("train/rewards/chosen", "train/rewards/rejected", "train/rewards/margin"):
@@ -62,8 +57,8 @@ def test_first_step_is_log2_and_matches_hf(assets, serial):
 
 
 def test_margin_increases(serial):
-    rows = read_metrics(serial["float32"])
-    margins = train_rows(serial["float32"], "train/rewards/margin")
+    rows = read_metrics(serial("float32"))
+    margins = train_rows(serial("float32"), "train/rewards/margin")
     assert margins[-1] > 0.05 and margins[-1] > margins[0]
     test = [r for r in rows if "test/rewards/margin" in r][-1]
     # The test margin starts at exactly 0 (policy == reference) and must have grown.
@@ -77,25 +72,38 @@ LAYOUTS = {
     "ddp2xfsdp2": (4, ["actor.ddp_size=2", "actor.max_length_per_device=160"]),
     "sp2": (2, ["actor.sp_size=2", "actor.max_length_per_device=48"]),
     "dp2xsp2": (4, ["actor.sp_size=2", "actor.max_length_per_device=64"]),
+    "tp2": (2, ["actor.tp_size=2", "actor.max_length_per_device=40"]),
 }
+# float64 over every layout (tight: catches real bugs), float32 on one 2- and one 4-rank layout.
+CASES = [pytest.param("fsdp2", "float32", 1e-5, id="fsdp2-float32")] + [
+    pytest.param(layout, dtype, rtol, id=f"{layout}-{dtype}", marks=pytest.mark.slow)
+    for layout, dtype, rtol in [("ddp2xfsdp2", "float32", 1e-5)] + [(lay, "float64", 1e-9) for lay in LAYOUTS]]
 KEYS = ("train/loss", "train/dpo_loss", "train/sft_loss", "train/rewards/margin", "train/grad_norm",
         "test/loss", "test/rewards/margin")
 
 
-@pytest.mark.parametrize("layout", [
-    "fsdp2", pytest.param("ddp2xfsdp2", marks=pytest.mark.slow), pytest.param("sp2", marks=pytest.mark.slow),
-    pytest.param("dp2xsp2", marks=pytest.mark.slow)])
-@pytest.mark.parametrize("dtype,rtol", [("float64", 1e-9), pytest.param("float32", 1e-5, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("layout,dtype,rtol", CASES)
 def test_parallel_equals_serial(assets, serial, tmp_path, layout, dtype, rtol):
     nproc, extra = LAYOUTS[layout]
     run_trainer("dpo", nproc, dpo_args(assets, f"actor.dtype={dtype}", *extra), tmp_path)
     for key in KEYS:
         # Margins start at ~0 (policy == reference): compare them with an absolute floor too.
-        assert_close(train_rows(tmp_path, key), train_rows(serial[dtype], key), rtol, key,
+        assert_close(train_rows(tmp_path, key), train_rows(serial(dtype), key), rtol, key,
                      atol=rtol / 10 if "margin" in key else 0.0)
 
 
-def test_pair_longer_than_the_device_budget_stops_before_training(assets, tmp_path):
-    proc = run_trainer("dpo", 1, dpo_args(assets, "actor.max_length_per_device=60"), tmp_path, check=False)
+def test_bad_rows_are_counted_and_a_pair_over_budget_stops_before_training(assets, tmp_path):
+    # skip_bad_rows: the missing-key and identical rows are skipped and counted; then a pair
+    # (<= 69 tokens) over a budget that each side (<= 37) fits stops the run before any step.
+    args = [f"actor.model_name={assets['model']}", f"data.train.path={bad_rows_file(assets, tmp_path)}",
+            "data.train.batch_size=4", "trainer.total_steps=1", "data.train.skip_bad_rows=true",
+            "actor.max_length_per_device=60"]
+    proc = run_trainer("dpo", 1, args, tmp_path, check=False)
     assert proc.returncode != 0
+    assert "row 3: missing key 'rejected'" in proc.stderr
+    assert "row 7: keys 'chosen' and 'rejected' are identical" in proc.stderr
+    assert "skipped 2 of 20 rows" in proc.stderr
+    assert "bad.jsonl row 0: the pair needs" in proc.stderr
     assert "actor.max_length_per_device*sp_size*tp_size = 60" in proc.stderr
+    assert "2*data.train.max_length" in proc.stderr
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()

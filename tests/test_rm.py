@@ -55,13 +55,20 @@ def test_sequence_sums_forward_and_backward_over_sp():
 
 @pytest.fixture(scope="module")
 def serial(assets, tmp_path_factory):
-    """1-process references (fp32 and fp64), one micro-batch per step."""
-    out = {}
-    for dtype in ("float32", "float64"):
-        d = tmp_path_factory.mktemp(f"rm_serial_{dtype}")
-        run_trainer("rm", 1, rm_args(assets, f"actor.dtype={dtype}", "actor.max_length_per_device=4096"), d)
-        out[dtype] = d
-    return out
+    """serial(dtype): run dir of the 1-process reference (one micro-batch per step), run once."""
+    return serial_runs("rm", rm_args, assets, tmp_path_factory)
+
+
+def serial_runs(trainer, make_args, assets, tmp_path_factory):
+    runs = {}
+
+    def get(dtype):
+        if dtype not in runs:
+            d = tmp_path_factory.mktemp(f"{trainer}_serial_{dtype}")
+            run_trainer(trainer, 1, make_args(assets, f"actor.dtype={dtype}", "actor.max_length_per_device=4096"), d)
+            runs[dtype] = d
+        return runs[dtype]
+    return get
 
 
 # Pairs are <= 71 tokens (76 padded for sp=2), so every layout packs several micro-batches.
@@ -70,28 +77,30 @@ LAYOUTS = {
     "ddp2xfsdp2": (4, ["actor.ddp_size=2", "actor.max_length_per_device=160"]),
     "sp2": (2, ["actor.sp_size=2", "actor.max_length_per_device=48"]),
     "dp2xsp2": (4, ["actor.sp_size=2", "actor.max_length_per_device=64"]),
+    "tp2": (2, ["actor.tp_size=2", "actor.max_length_per_device=40"]),
 }
+# float64 over every layout (tight: catches real bugs), float32 on one 2- and one 4-rank layout.
+CASES = [pytest.param("fsdp2", "float32", 1e-5, id="fsdp2-float32")] + [
+    pytest.param(layout, dtype, rtol, id=f"{layout}-{dtype}", marks=pytest.mark.slow)
+    for layout, dtype, rtol in [("ddp2xfsdp2", "float32", 1e-5)] + [(lay, "float64", 1e-9) for lay in LAYOUTS]]
 KEYS = ("train/loss", "train/accuracy", "train/margin", "train/grad_norm", "test/loss", "test/margin")
 
 
-@pytest.mark.parametrize("layout", [
-    "fsdp2", pytest.param("ddp2xfsdp2", marks=pytest.mark.slow), pytest.param("sp2", marks=pytest.mark.slow),
-    pytest.param("dp2xsp2", marks=pytest.mark.slow)])
-@pytest.mark.parametrize("dtype,rtol", [("float64", 1e-9), pytest.param("float32", 1e-5, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("layout,dtype,rtol", CASES)
 def test_parallel_equals_serial(assets, serial, tmp_path, layout, dtype, rtol):
     nproc, extra = LAYOUTS[layout]
     run_trainer("rm", nproc, rm_args(assets, f"actor.dtype={dtype}", *extra), tmp_path)
     for key in KEYS:
         # A margin is a difference of two rewards ~100x larger: give it a matching absolute floor.
-        assert_close(train_rows(tmp_path, key), train_rows(serial[dtype], key), rtol, key,
+        assert_close(train_rows(tmp_path, key), train_rows(serial(dtype), key), rtol, key,
                      atol=rtol / 100 if "margin" in key else 0.0)
 
 
 def test_accuracy_above_chance_and_hf_export_reproduces_rewards(assets, serial):
-    rows = read_metrics(serial["float32"])
+    rows = read_metrics(serial("float32"))
     test = [r for r in rows if "test/accuracy" in r][-1]
     assert test["test/accuracy"] >= 0.8 and test["test/margin"] > 0
-    losses = train_rows(serial["float32"], "train/loss")
+    losses = train_rows(serial("float32"), "train/loss")
     assert losses[-1] < losses[0]
     # The exported checkpoint, run by plain HF (no packing, eager attention), gives the rewards
     # behind the trainer's final test metrics.
@@ -100,7 +109,7 @@ def test_accuracy_above_chance_and_hf_export_reproduces_rewards(assets, serial):
     from RL2.data.formats import tokenize_pair
     from RL2.data.io import load_rows
 
-    final = os.path.join(serial["float32"], "run", "final")
+    final = os.path.join(serial("float32"), "run", "final")
     model = AutoModelForTokenClassification.from_pretrained(final, attn_implementation="eager").eval()
     tok = AutoTokenizer.from_pretrained(final)
     margins = []
@@ -117,40 +126,28 @@ def test_accuracy_above_chance_and_hf_export_reproduces_rewards(assets, serial):
 
 # ----------------------------------------------------------------- bad input
 
-def _write_rows(path, rows):
+def write_rows(path, rows):
     with open(path, "w") as f:
         for r in rows:
             f.write(json.dumps(r) + "\n")
 
 
-def _bad_rows(assets, tmp_path):
+def bad_rows_file(assets, tmp_path) -> str:
+    """20 preference rows; row 3 lacks 'rejected', row 7 has rejected == chosen."""
     with open(f"{assets['data']}/pref_train.jsonl") as f:
         rows = [json.loads(line) for line in f][:20]
     del rows[3]["rejected"]                     # row 3: missing key
     rows[7]["rejected"] = rows[7]["chosen"]     # row 7: identical sides
     path = tmp_path / "bad.jsonl"
-    _write_rows(path, rows)
+    write_rows(path, rows)
     return str(path)
 
 
-def test_bad_rows_stop_with_the_row_named_or_are_counted_and_skipped(assets, tmp_path):
-    path = _bad_rows(assets, tmp_path)
-    args = [f"actor.model_name={assets['model']}", f"data.train.path={path}", "data.train.batch_size=4"]
-    proc = run_trainer("rm", 1, args + ["trainer.total_steps=1"], tmp_path / "a", check=False)
+def test_bad_row_stops_with_the_row_named(assets, tmp_path):
+    # (tests/test_dpo.py runs the same file with skip_bad_rows=true.)
+    args = [f"actor.model_name={assets['model']}", f"data.train.path={bad_rows_file(assets, tmp_path)}",
+            "data.train.batch_size=4", "trainer.total_steps=1"]
+    proc = run_trainer("rm", 1, args, tmp_path, check=False)
     assert proc.returncode != 0
-    assert "row 3: missing key 'rejected'" in proc.stderr
-    assert "skip_bad_rows" in proc.stderr
-    # With skip_bad_rows both bad rows are counted and skipped; the run trains on the rest.
-    proc = run_trainer("rm", 1, args + ["trainer.total_steps=1", "data.train.skip_bad_rows=true"], tmp_path / "b")
-    assert "row 7: keys 'chosen' and 'rejected' are identical" in proc.stderr
-    assert "skipped 2 of 20 rows" in proc.stderr
-    assert len(train_rows(tmp_path / "b", "train/loss")) == 1
-
-
-def test_pair_longer_than_the_device_budget_stops_before_training(assets, tmp_path):
-    # Each side (<= 38 tokens) fits 60, but a packed pair (<= 71) does not.
-    proc = run_trainer("rm", 1, rm_args(assets, "actor.max_length_per_device=60"), tmp_path, check=False)
-    assert proc.returncode != 0
-    assert "actor.max_length_per_device*sp_size*tp_size = 60" in proc.stderr
-    assert "2*data.train.max_length" in proc.stderr
-    assert not os.path.exists(tmp_path / "run" / "metrics.jsonl")
+    assert "bad.jsonl row 3: missing key 'rejected'" in proc.stderr
+    assert "data.train.skip_bad_rows=true" in proc.stderr

@@ -78,3 +78,10 @@ def test_resume_after_crash_is_exact(assets, tmp_path):
     for s in range(1, 7):
         for key in ("train/loss", "train/grad_norm", "train/lr"):
             assert math.isclose(by_step[s][key], want[s][key], rel_tol=1e-6), (s, key)
+
+
+@pytest.mark.parametrize("option", ["actor.gradient_checkpointing=true", "actor.offload_params=true"])
+def test_memory_options_do_not_change_numbers(assets, serial, tmp_path, option):
+    run_trainer("sft", 2, sft_args(assets, "actor.dtype=float64", option), tmp_path)
+    for key in ("train/loss", "train/grad_norm"):
+        assert_close(train_rows(tmp_path, key), train_rows(serial["float64"], key), 1e-10, key)

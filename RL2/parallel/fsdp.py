@@ -42,7 +42,7 @@ def apply_fsdp(model: nn.Module, dims: ParallelDims, param_dtype: torch.dtype,
     reduce_dtype = torch.float64 if param_dtype == torch.float64 else torch.float32
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     kw = dict(mesh=dims.fsdp_mesh, mp_policy=mp)
-    if offload_params:
+    if offload_params and dims.device_type != "cpu":  # on CPU the parameters are there already
         kw["offload_policy"] = CPUOffloadPolicy()
     for layer in decoder_layers(model):
         fully_shard(layer, reshard_after_forward=reshard_after_forward, **kw)

@@ -99,7 +99,8 @@ class SGLangEngine(Engine):
             logger.warning("this SGLang has no sampling_seed: seeded requests are not reproducible")
 
     def _sampling_params(self, params: SamplingParams, seed: int | None) -> dict:
-        out = dict(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k if params.top_k > 0 else -1,
+        out = dict(temperature=params.temperature, top_p=params.top_p,
+                   top_k=params.top_k if params.top_k > 0 else -1,
                    max_new_tokens=params.max_new_tokens, skip_special_tokens=False)
         if params.stop:
             out["stop"] = list(params.stop)

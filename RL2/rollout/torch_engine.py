@@ -120,7 +120,8 @@ class _BatchKV:
             # grow; keep some free columns on the left for later, longer prompts
             needed = max(width, w)
             len_cap = max(len_cap, 2 * needed + 16)
-            self._realloc(max(self.rows + r, 2 * row_cap), len_cap, needed - width + (len_cap - needed) // 4)
+            left = needed - width + (len_cap - needed) // 4
+            self._realloc(max(self.rows + r, 2 * row_cap), len_cap, left)
         for bufs, new in ((self.k, keys), (self.v, values)):
             for buf, x in zip(bufs, new):
                 buf[self.rows:self.rows + r, :, self.end - w:self.end] = x
@@ -138,7 +139,8 @@ class _BatchKV:
         q = k.shape[2]
         self.k[li][:self.rows, :, self.end:self.end + q] = k
         self.v[li][:self.rows, :, self.end:self.end + q] = v
-        return self.k[li][:self.rows, :, self.start:self.end + q], self.v[li][:self.rows, :, self.start:self.end + q]
+        live = (slice(0, self.rows), slice(None), slice(self.start, self.end + q))
+        return self.k[li][live], self.v[li][live]
 
     def advance(self, q: int) -> None:
         self.end += q
@@ -512,7 +514,8 @@ class TorchEngine(Engine):
             self._rows, self._mask, self._lens, self._last = [], None, None, None
             return
         idx = torch.tensor(order, device=self.device)
-        self._mask, self._lens, self._last = (t.index_select(0, idx) for t in (self._mask, self._lens, self._last))
+        self._mask, self._lens, self._last = (
+            t.index_select(0, idx) for t in (self._mask, self._lens, self._last))
         self._rows = [self._rows[j] for j in order]
         start = int(self._mask.any(0).int().argmax())  # first column holding a real token
         if start > 0:
@@ -540,7 +543,7 @@ class TorchEngine(Engine):
             top_k = torch.tensor([params[j].top_k if params[j].top_k > 0 else probs.shape[1]
                                   for j in filtered], device=logits.device)
             top_p = torch.tensor([params[j].top_p for j in filtered], device=logits.device)
-            # nucleus: keep a token while the mass strictly before it is < top_p (the top token always stays)
+            # nucleus: keep a token while the mass strictly before it is < top_p (the top one stays)
             keep = (rank[None] < top_k[:, None]) & ((probs.cumsum(-1) - probs) < top_p[:, None])
             keep[:, 0] = True
             pick = self._invert_cdf(probs * keep, [seqs[j] for j in filtered])

@@ -93,7 +93,8 @@ class Actor(Worker):
             ids, chosen, rejected = pair_slots(mb)
             ids = torch.tensor(ids, dtype=torch.long)
             ref_c, ref_r = ref_logps[2 * ids].to(seq.device), ref_logps[2 * ids + 1].to(seq.device)
-            loss, rew_c, rew_r = dpo_from_sums(seq[chosen], seq[rejected], ref_c, ref_r, cfg)
+            loss, rew_c, rew_r = dpo_loss(seq[chosen], seq[rejected], ref_c, ref_r, cfg.beta,
+                                          cfg.label_smoothing)
             total = loss.sum() * scale
             if cfg.sft_coef:
                 sft = -(logps * mb.data["loss_weight"]).sum()  # tokens live on one sp rank each
@@ -116,7 +117,8 @@ class Actor(Worker):
         """DPO loss (without the SFT term) and rewards over `pairs`; the same on every rank."""
         samples, _ = flatten_pairs(pairs)
         seq = self.compute_sequence_logps(samples)
-        loss, rew_c, rew_r = dpo_from_sums(seq[0::2], seq[1::2], ref_logps[0::2], ref_logps[1::2], self.cfg)
+        loss, rew_c, rew_r = dpo_loss(seq[0::2], seq[1::2], ref_logps[0::2], ref_logps[1::2],
+                                      self.cfg.beta, self.cfg.label_smoothing)
         sums = dpo_metric_sums(loss, rew_c, rew_r, seq[0::2], seq[1::2])
         return {k: v / len(pairs) for k, v in zip(DPO_METRICS, sums.tolist())}
 
@@ -125,14 +127,6 @@ class Actor(Worker):
 # SFT term (already normalised by token_weights).
 DPO_METRICS = ("loss", "accuracy", "rewards/chosen", "rewards/rejected", "rewards/margin",
                "logps/chosen", "logps/rejected", "sft_loss")
-
-
-def dpo_from_sums(logp_c, logp_r, ref_c, ref_r, cfg):
-    """`dpo_loss` of float64 sequence log-probs. The log-ratios are formed here, in float64:
-    dpo_loss computes in float32, where sums of ~-100 would lose differences below ~1e-5."""
-    zero = torch.zeros_like(logp_c)
-    return dpo_loss(logp_c - ref_c.double(), logp_r - ref_r.double(), zero, zero, cfg.beta,
-                    cfg.label_smoothing)
 
 
 def dpo_metric_sums(loss, rew_c, rew_r, logp_c, logp_r) -> torch.Tensor:

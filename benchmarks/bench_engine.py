@@ -132,14 +132,17 @@ def bench_multi_turn(model, engine, args):
     return tokens, lambda: asyncio.run(run_hf()), lambda: asyncio.run(run_engine())
 
 
-def timed(fn, repeats):
-    fn()  # warm-up
-    times = []
+def timed(fns, repeats):
+    """Median seconds of each function; runs are interleaved so that both see the same load."""
+    for fn in fns:
+        fn()  # warm-up
+    times = [[] for _ in fns]
     for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        for fn, t in zip(fns, times):
+            start = time.perf_counter()
+            fn()
+            t.append(time.perf_counter() - start)
+    return [statistics.median(t) for t in times]
 
 
 def main():
@@ -161,7 +164,7 @@ def main():
     workloads = [("(a) one batch", bench_one_batch), ("(b) multi-turn staggered", bench_multi_turn)]
     for name, bench in workloads:
         tokens, run_hf, run_engine = bench(model, engine, args)
-        t_hf, t_engine = timed(run_hf, args.repeats), timed(run_engine, args.repeats)
+        t_hf, t_engine = timed([run_hf, run_engine], args.repeats)
         rows.append((name, tokens, tokens / t_engine, tokens / t_hf))
     print(f"model: hidden {args.hidden}, layers {args.layers}, vocab {args.vocab}; "
           f"threads {args.threads}; median of {args.repeats}")

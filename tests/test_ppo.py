@@ -198,3 +198,66 @@ def test_refills_are_bounded_and_failures_over_budget_stop_the_run(tmp_path, mon
 def test_bad_configs_stop_with_the_key_to_change(overrides, message):
     with pytest.raises(SystemExit, match=message):
         check_config(cfg_with(*overrides))
+
+
+THREE_TURN_ENV = '''
+async def step(state, action, extra_info):
+    turn = extra_info.get("turn", 0)
+    info = {**extra_info, "turn": turn + 1}
+    if turn == 0:  # extends state + action: same sequence, env tokens masked
+        return {"next_state": state + action + " env says hi", "reward": 0.25, "done": False, "extra_info": info}
+    if turn == 1:  # does not extend: a new sequence of the same trajectory
+        return {"next_state": "a brand new state", "reward": 0.5, "done": False, "extra_info": info}
+    return {"next_state": None, "reward": 1.0, "done": True}
+'''
+
+
+def runs(mask: torch.Tensor) -> list[tuple[int, int]]:
+    """[start, end) of the runs of 1s."""
+    out, start = [], None
+    for i, m in enumerate(mask.tolist() + [0]):
+        if m and start is None:
+            start = i
+        elif not m and start is not None:
+            out.append((start, i))
+            start = None
+    return out
+
+
+def test_multi_turn_samples_from_a_real_engine_mask_env_tokens(assets, tmp_path):
+    import asyncio
+
+    from RL2.data.formats import tokenize_prompt
+    from RL2.rollout.engine import SamplingParams
+    from RL2.rollout.env import load_env
+    from RL2.rollout.torch_engine import TorchEngine
+    from RL2.rollout.trajectory import run_trajectory
+
+    (tmp_path / "env.py").write_text(THREE_TURN_ENV)
+    tok, env = assets["tokenizer"], load_env(str(tmp_path / "env.py"))
+    engine = TorchEngine(assets["model"], tok)
+    prompt = tokenize_prompt({"prompt": "What is 1 plus 2?"}, tok)
+    traj = asyncio.run(run_trajectory(engine, tok, env, prompt, SamplingParams(max_new_tokens=3, seed=1),
+                                      max_turns=3, uid="u"))
+    engine.shutdown()
+    first, second = traj.samples
+    actions = [turn["action"] for turn in traj.turns]
+    # Sequence 1: prompt, action 1, env text, action 2; sequence 2: new state, action 3.
+    (a1, e1), (a2, e2) = runs(first["action_mask"])
+    assert a1 == len(prompt["prompt_ids"]) - 1 and e2 == len(first["labels"])
+    assert tok.decode(first["labels"][a1:e1]) == actions[0] and tok.decode(first["labels"][a2:e2]) == actions[1]
+    assert first["labels"][e1:a2].tolist() == tok.encode(" env says hi", add_special_tokens=False)
+    [(a3, e3)] = runs(second["action_mask"])
+    assert second["input_ids"][:a3 + 1].tolist() == tok.encode("a brand new state", add_special_tokens=False)
+    assert tok.decode(second["labels"][a3:e3]) == actions[2] and e3 == len(second["labels"])
+    assert first["rewards"][e1 - 1] == 0.25 and first["rewards"][e2 - 1] == 0.5 and second["rewards"][-1] == 1.0
+    assert first["rewards"].sum() == 0.75 and traj.reward == 1.75
+
+    # GAE over the trajectory: non-zero advantages exactly on the action tokens.
+    g = torch.Generator().manual_seed(0)
+    samples = [dict(s, values=torch.rand(len(s["labels"]), generator=g) + 2) for s in traj.samples]
+    cfg = cfg_with("adv.estimator=gae", "adv.gamma=0.9", "adv.lamda=0.9")
+    out, _ = compute_advantages(samples, [0, 0], 1, 1, cfg.adv, cfg.kl)
+    for o in out:
+        assert ((o["advantages"] != 0) == o["action_mask"].bool()).all()
+        assert ((o["returns"] != 0) == o["action_mask"].bool()).all()

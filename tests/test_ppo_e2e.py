@@ -80,8 +80,9 @@ def test_ppo_with_a_critic_raises_the_reward(warm_start, tmp_path):
     rows = [r for r in read_metrics(tmp_path) if "rollout/reward" in r]
     assert_rises([r["rollout/reward"] for r in rows])
     assert "actor/loss" not in rows[0] and "actor/loss" in rows[2]  # critic warm-up
+    assert rows[2]["critic/lr"] == 3e-3 and rows[2]["actor/lr"] == 1e-3  # each its own lr
     value_losses = [r["critic/value_loss"] for r in rows]
-    assert sum(value_losses[-5:]) < sum(value_losses[:2]) * 5 / 2  # the critic learns
+    assert sum(value_losses[-5:]) / 5 < value_losses[0]  # the fresh value head learns
 
 
 def write_two_question_data(warm, tmp_path):
@@ -132,3 +133,28 @@ def test_resume_after_crash_repeats_the_straight_run(assets, tmp_path):
             assert math.isclose(got[step][key], want[step][key], rel_tol=1e-6, abs_tol=1e-9), (step, key)
     assert (resumed / "run" / "rollouts" / "step4.jsonl").read_text() == \
         (straight / "run" / "rollouts" / "step4.jsonl").read_text()
+
+
+RESET_ENV = '''
+async def reset(extra_info):
+    return "<|im_start|>user\\nWhat is " + extra_info["question"] + "?<|im_end|>\\n<|im_start|>assistant\\n"
+
+
+async def step(state, action, extra_info):
+    return {"next_state": None, "reward": float(extra_info["answer"] in action), "done": True}
+'''
+
+
+def test_rows_without_prompts_start_from_the_env_reset(assets, tmp_path):
+    (tmp_path / "env.py").write_text(RESET_ENV)
+    with open(tmp_path / "rows.jsonl", "w") as f:
+        for a in range(4):
+            f.write(json.dumps({"extra_info": {"question": f"{a} plus 1", "answer": str(a + 1)}}) + "\n")
+    run_trainer("ppo", 1, [f"actor.model_name={assets['model']}", f"data.train.path={tmp_path / 'rows.jsonl'}",
+                           f"actor.rollout.env_path={tmp_path / 'env.py'}", "actor.rollout.prompts_per_rollout=4",
+                           "actor.rollout.train_sampling_params.max_new_tokens=4", "trainer.total_steps=1"],
+                tmp_path / "out")
+    trajs = [json.loads(line) for line in (tmp_path / "out" / "run" / "rollouts" / "step1.jsonl").read_text().splitlines()]
+    assert len(trajs) == 16 and not any(t["failed"] for t in trajs)
+    assert {t["prompt"] for t in trajs} == {f"<|im_start|>user\nWhat is {a} plus 1?<|im_end|>\n<|im_start|>assistant\n"
+                                           for a in range(4)}

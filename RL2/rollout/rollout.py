@@ -43,6 +43,7 @@ class Rollout:
             kw = {}
             if cfg.engine in ("sglang", "auto") and device == "cuda":
                 kw = dict(tp_size=cfg.tp_size, base_gpu_id=rank % max(1, torch.cuda.device_count()),
+                          bucket_bytes=int(cfg.bucket_mb * 2**20),
                           **dict(cfg.sglang))
             elif cfg.max_model_len:
                 kw = dict(max_model_len=cfg.max_model_len)
@@ -50,7 +51,7 @@ class Rollout:
         # For an SGLang group the rest of the group only takes part in the weight gathers.
 
     def sync(self, model) -> dict:
-        return sync_weights(model, self.engine, self.cfg.bucket_mb)
+        return sync_weights(model, self.engine)
 
     def release(self):
         if self.engine is not None:
@@ -156,7 +157,7 @@ class Rollout:
             "response_length": lengths.mean().item(),
             "truncated_ratio": sum(t.truncated for t in flat) / len(flat),
             # the last turn stopped by max_new_tokens rather than a stop token / eos
-            "clipped_ratio": sum(bool(t.turns) and t.turns[-1].get("finish_reason") == "length"
+            "overlong_ratio": sum(bool(t.turns) and t.turns[-1].get("finish_reason") == "length"
                                  for t in flat) / len(flat),
             "turns": sum(t.num_turns for t in flat) / len(flat),
             "failed": float(sum(t.failed for t in flat)),

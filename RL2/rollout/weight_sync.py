@@ -1,8 +1,9 @@
 """Weight sync: training shards (FSDP2 / TP DTensors) -> full tensors with HF names -> engine.
 
 Every rank walks the state dict in the same order (`full_tensor()` is a collective), so this must
-run outside any rollout coroutine. Tensors are handed to the engine in buckets of bounded size,
-grouped by dtype, so peak extra memory is one bucket rather than the whole model.
+run outside any rollout coroutine. The engine receives one lazy stream of tensors: the torch
+engine copies each as it arrives (peak extra memory: one tensor); the SGLang adapter groups them
+into dtype-homogeneous buckets of bounded size and flushes its cache once, after the last.
 """
 import logging
 import time
@@ -25,33 +26,23 @@ def iter_full_tensors(model, dtype: torch.dtype | None = None) -> Iterator[tuple
         yield name, tensor
 
 
-def iter_buckets(named: Iterator[tuple[str, torch.Tensor]], bucket_bytes: int):
-    """Group consecutive tensors of one dtype into lists of at most `bucket_bytes` (a tensor
-    larger than the limit forms its own bucket)."""
-    bucket, size, dtype = [], 0, None
-    for name, t in named:
-        nbytes = t.numel() * t.element_size()
-        if bucket and (t.dtype != dtype or size + nbytes > bucket_bytes):
-            yield bucket
-            bucket, size = [], 0
-        bucket.append((name, t))
-        size += nbytes
-        dtype = t.dtype
-    if bucket:
-        yield bucket
-
-
-def sync_weights(model, engine, bucket_mb: float = 512, dtype: torch.dtype | None = None) -> dict:
+def sync_weights(model, engine, dtype: torch.dtype | None = None) -> dict:
     """Push the current training weights into `engine` (None on ranks that hold no engine; they
     still take part in the gathers). Returns timing metrics."""
     start = time.perf_counter()
     n_bytes = 0
-    if engine is not None:
+
+    def counted():
+        nonlocal n_bytes
+        for name, t in iter_full_tensors(model, dtype):
+            n_bytes += t.numel() * t.element_size()
+            yield name, t
+
+    if engine is None:
+        for _ in counted():
+            pass
+    else:
         engine.resume_memory(["weights"])
-    for bucket in iter_buckets(iter_full_tensors(model, dtype), int(bucket_mb * 2**20)):
-        n_bytes += sum(t.numel() * t.element_size() for _, t in bucket)
-        if engine is not None:
-            engine.update_weights(bucket)
-    if engine is not None:
+        engine.update_weights(counted())
         engine.resume_memory(["kv_cache"])
     return {"sync_seconds": time.perf_counter() - start, "sync_bytes": n_bytes}

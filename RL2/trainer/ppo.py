@@ -13,6 +13,8 @@ import time
 from contextlib import contextmanager
 from functools import partial
 
+import torch
+
 from RL2.algorithms.advantages import OUTCOME_ESTIMATORS
 from RL2.algorithms.losses import AVG_LEVELS, KL_ESTIMATORS
 from RL2.data.formats import tokenize_prompt
@@ -128,8 +130,6 @@ class PPOTrainer(Trainer):
     def prompts_for(self, step: int, k: int) -> list[dict]:
         """Prompts of a step: the sampler's batch, then (k > 0, refills after dynamic filtering)
         further batches, drawn as a pure function of (seed, step, k) so resumed runs repeat them."""
-        import torch
-
         if k == 0:
             idx = self.sampler.batch(step)
         else:
@@ -154,6 +154,7 @@ class PPOTrainer(Trainer):
         metrics = {f"rollout/{k}": v for k, v in rollout_metrics.items()}
         # Flatten to sequences; owner[i] = index of the trajectory that sequence i belongs to.
         trajectories = [t for g in groups for t in g]
+        metrics["rollout/train_tokens"] = float(sum(t.num_action_tokens for t in trajectories))
         samples, owner = [], []
         for t_index, traj in enumerate(trajectories):
             samples.extend(traj.samples)

@@ -154,7 +154,8 @@ def test_rows_without_prompts_start_from_the_env_reset(assets, tmp_path):
                            f"actor.rollout.env_path={tmp_path / 'env.py'}", "actor.rollout.prompts_per_rollout=4",
                            "actor.rollout.train_sampling_params.max_new_tokens=4", "trainer.total_steps=1"],
                 tmp_path / "out")
-    trajs = [json.loads(line) for line in (tmp_path / "out" / "run" / "rollouts" / "step1.jsonl").read_text().splitlines()]
+    dump = tmp_path / "out" / "run" / "rollouts" / "step1.jsonl"
+    trajs = [json.loads(line) for line in dump.read_text().splitlines()]
     assert len(trajs) == 16 and not any(t["failed"] for t in trajs)
     assert {t["prompt"] for t in trajs} == {f"<|im_start|>user\nWhat is {a} plus 1?<|im_end|>\n<|im_start|>assistant\n"
                                            for a in range(4)}

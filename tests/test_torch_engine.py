@@ -119,10 +119,10 @@ async def _gather(*coros):
 
 
 def test_batch_kv_matches_naive_reference():
-    """Random adds / decode writes / evictions on _BatchKV == a naive pad-and-concat cache."""
-    from RL2.rollout.torch_engine import _BatchKV
+    """Random adds / decode writes / evictions on BatchKV == a naive pad-and-concat cache."""
+    from RL2.rollout.kv_cache import BatchKV
     rng = random.Random(0)
-    kv, ref, mask = _BatchKV(), None, None   # ref: [B, 1, W, 1] naive cache, mask [B, W]
+    kv, ref, mask = BatchKV(), None, None   # ref: [B, 1, W, 1] naive cache, mask [B, W]
     for step in range(200):
         op = rng.random()
         if ref is None or op < 0.2:

@@ -48,6 +48,10 @@ class Rollout:
             elif cfg.max_model_len:
                 kw = dict(max_model_len=cfg.max_model_len)
             self.engine = make_engine(cfg.engine, model_path, tokenizer, **kw)
+            if getattr(self.engine, "loop", None) is not None:
+                # SGLang runs on the loop it was created with: trajectories must use that one.
+                self.loop.close()
+                self.loop = self.engine.loop
         # For an SGLang group the rest of the group only takes part in the weight gathers.
 
     def sync(self, model) -> dict:

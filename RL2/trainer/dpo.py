@@ -16,10 +16,12 @@ from RL2.utils.config import load_config
 from RL2.workers.actor import Actor, flatten_pairs
 
 
-def reference_config(cfg):
+def reference_config(cfg, device: str):
     """The actor's worker config with the `ref` overrides (same model and parallel layout)."""
     ref = OmegaConf.merge(cfg.actor, cfg.ref)
     ref.gradient_checkpointing = False
+    if device == "cpu":
+        ref.offload_params = False  # parameters already live in host memory (FSDP2's offload needs a GPU)
     return ref
 
 
@@ -30,7 +32,7 @@ class DPOTrainer(Trainer):
         check_pair_lengths(self.train_data + self.test_data, cfg.actor)
         self.n_steps = self.total_steps(len(self.train_data), cfg.data.train.batch_size)
         self.actor = Actor(cfg.actor, self.device, total_steps=self.n_steps, seed=cfg.trainer.seed)
-        self.ref = Actor(reference_config(cfg), self.device, train=False, seed=cfg.trainer.seed)
+        self.ref = Actor(reference_config(cfg, self.device), self.device, train=False, seed=cfg.trainer.seed)
         self.test_ref_logps = None  # computed at the first evaluation (the reference is frozen)
         self.maybe_resume()
 

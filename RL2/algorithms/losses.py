@@ -13,7 +13,7 @@ KL_ESTIMATORS = ("k1", "k2", "k3")
 AVG_LEVELS = ("token", "sequence")
 
 
-def _up(x: Tensor) -> Tensor:
+def upcast(x: Tensor) -> Tensor:
     """At least fp32 (bf16 inputs are upcast; fp64 stays fp64 for exactness tests)."""
     return x.to(torch.promote_types(x.dtype, torch.float32))
 
@@ -27,7 +27,7 @@ def kl_estimator(logps: Tensor, ref_logps: Tensor, kind: str) -> Tensor:
       k3 = exp(-log_ratio) + log_ratio - 1            unbiased, >= 0 (verl "low_var_kl")
          = exp(ref - logp) - (ref - logp) - 1
     """
-    log_ratio = _up(logps) - _up(ref_logps)
+    log_ratio = upcast(logps) - upcast(ref_logps)
     if kind == "k1":
         return log_ratio
     if kind == "k2":
@@ -60,9 +60,9 @@ def policy_loss(
         clip_high = clip
     if dual_clip is not None and dual_clip <= 1.0:
         raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
-    adv = _up(advantages)
+    adv = upcast(advantages)
     # Clamp the log-ratio so one wild token cannot produce inf/nan (both sides then saturate).
-    ratio = torch.exp((_up(logps) - _up(old_logps)).clamp(-20.0, 20.0))
+    ratio = torch.exp((upcast(logps) - upcast(old_logps)).clamp(-20.0, 20.0))
     surr = -adv * ratio
     surr_clipped = -adv * ratio.clamp(1.0 - clip, 1.0 + clip_high)
     loss = torch.maximum(surr, surr_clipped)
@@ -87,7 +87,7 @@ def tis_weight(old_logps: Tensor, engine_logps: Tensor, tis_coef: float) -> Tens
     Corrects for the rollout engine sampling from a slightly different distribution than the
     trainer's pi_old (kernels, precision); multiply the per-token policy loss by it.
     """
-    ratio = torch.exp((_up(old_logps) - _up(engine_logps)).clamp(max=20.0))
+    ratio = torch.exp((upcast(old_logps) - upcast(engine_logps)).clamp(max=20.0))
     return ratio.clamp(max=tis_coef).detach()
 
 
@@ -100,11 +100,11 @@ def value_loss(
     Returns (loss, clipped) where clipped is a detached per-token 0/1 float (the clipped branch
     is strictly larger, i.e. the gradient is cut).
     """
-    v, ret = _up(values), _up(returns)
+    v, ret = upcast(values), upcast(returns)
     loss = (v - ret).pow(2)
     if clip is None:
         return 0.5 * loss, torch.zeros_like(loss)
-    old = _up(old_values)
+    old = upcast(old_values)
     v_clipped = old + (v - old).clamp(-clip, clip)
     loss_clipped = (v_clipped - ret).pow(2)
     return 0.5 * torch.maximum(loss, loss_clipped), (loss_clipped > loss).float().detach()
@@ -124,8 +124,8 @@ def dpo_loss(
     loss = (1 - ls) * -logsigmoid(beta * m) + ls * -logsigmoid(-beta * m)   (conservative DPO)
     Returns (loss, reward_chosen, reward_rejected); rewards are beta * (logp - ref), detached.
     """
-    chosen = _up(logp_chosen) - _up(ref_chosen)
-    rejected = _up(logp_rejected) - _up(ref_rejected)
+    chosen = upcast(logp_chosen) - upcast(ref_chosen)
+    rejected = upcast(logp_rejected) - upcast(ref_rejected)
     logits = beta * (chosen - rejected)
     loss = -(1.0 - label_smoothing) * F.logsigmoid(logits) - label_smoothing * F.logsigmoid(-logits)
     return loss, (beta * chosen).detach(), (beta * rejected).detach()
@@ -136,7 +136,7 @@ def rm_loss(r_chosen: Tensor, r_rejected: Tensor) -> tuple[Tensor, Tensor]:
 
     Returns (loss, accuracy) with accuracy 1.0 where r_c > r_r strictly (ties count as wrong).
     """
-    margin = _up(r_chosen) - _up(r_rejected)
+    margin = upcast(r_chosen) - upcast(r_rejected)
     return -F.logsigmoid(margin), (margin > 0).float().detach()
 
 

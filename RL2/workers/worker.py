@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
 
+from RL2.algorithms.losses import upcast
 from RL2.data.packing import MicroBatch, pack, plan_micro_batches, unpack
 from RL2.parallel.attention import PackedContext, packed_kwargs, register
 from RL2.parallel.fsdp import parallelize
@@ -17,15 +18,16 @@ logger = logging.getLogger(__name__)
 
 
 def load_hf_model(path: str, value_head: bool, dtype: torch.dtype, trust_remote_code=False):
-    from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
 
     kw = dict(attn_implementation=register(), dtype=dtype, trust_remote_code=trust_remote_code)
     if value_head:
         # A causal-LM checkpoint gets a fresh 1-wide head; the same seed on every rank keeps it
-        # identical across replicas.
-        # No dropout on the head: values must be deterministic (HF defaults it to 0.1).
-        return AutoModelForTokenClassification.from_pretrained(
-            path, num_labels=1, classifier_dropout=0.0, **kw)
+        # identical across replicas. No dropout on the head: values must be deterministic (HF
+        # defaults it to 0.1); set on the config since not every config declares the key.
+        config = AutoConfig.from_pretrained(path, num_labels=1, trust_remote_code=trust_remote_code)
+        config.classifier_dropout = 0.0
+        return AutoModelForTokenClassification.from_pretrained(path, config=config, **kw)
     return AutoModelForCausalLM.from_pretrained(path, **kw)
 
 
@@ -98,8 +100,9 @@ class Worker:
                          use_cache=False, **packed_kwargs(ctx))
         logits = out.logits
         if self.value_head:
-            return {"values": logits[0, :, 0].float() if not hasattr(logits, "full_tensor")
-                    else logits.full_tensor()[0, :, 0].float()}
+            if hasattr(logits, "full_tensor"):
+                logits = logits.full_tensor()
+            return {"values": upcast(logits[0, :, 0])}
         from RL2.parallel.tensor_parallel import logps_and_entropy
 
         logps, entropy = logps_and_entropy(logits[0], mb.data["labels"], temperature, need_entropy)
@@ -118,7 +121,7 @@ class Worker:
         for mb in self.plan(samples):
             out = self.forward(mb, **kw)[key]
             for i, t in zip(mb.indices, unpack(mb, out, self.dims.sp_group)):
-                local[i] = t.detach().float().cpu()
+                local[i] = upcast(t.detach()).cpu()
         if was_training:
             self.model.train()
         gathered = [None] * dist.get_world_size()

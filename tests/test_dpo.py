@@ -73,6 +73,10 @@ LAYOUTS = {
     "sp2": (2, ["actor.sp_size=2", "actor.max_length_per_device=48"]),
     "dp2xsp2": (4, ["actor.sp_size=2", "actor.max_length_per_device=64"]),
     "tp2": (2, ["actor.tp_size=2", "actor.max_length_per_device=40"]),
+    # The 4-rank grid of the parallelism issue.
+    "fsdp4": (4, ["actor.max_length_per_device=80"]),
+    "tp2xfsdp2": (4, ["actor.tp_size=2", "actor.max_length_per_device=40"]),
+    "tp2xsp2": (4, ["actor.tp_size=2", "actor.sp_size=2", "actor.max_length_per_device=24"]),
 }
 # float64 over every layout (tight: catches real bugs), float32 on one 2- and one 4-rank layout.
 CASES = [pytest.param("fsdp2", "float32", 1e-5, id="fsdp2-float32")] + [

@@ -85,3 +85,13 @@ def test_memory_options_do_not_change_numbers(assets, serial, tmp_path, option):
     run_trainer("sft", 2, sft_args(assets, "actor.dtype=float64", option), tmp_path)
     for key in ("train/loss", "train/grad_norm"):
         assert_close(train_rows(tmp_path, key), train_rows(serial["float64"], key), 1e-10, key)
+
+
+def test_metric_sinks_wandb_offline_and_tensorboard(assets, tmp_path):
+    run_trainer("sft", 1, sft_args(assets, "trainer.total_steps=1", "trainer.use_wandb=true",
+                                   "trainer.use_tensorboard=true"), tmp_path,
+                extra_env={"WANDB_MODE": "offline"})
+    run = tmp_path / "run"
+    assert len(read_metrics(tmp_path)) >= 1
+    assert list((run / "tensorboard").glob("events.out.tfevents.*"))
+    assert list((run / "wandb").glob("offline-run-*"))

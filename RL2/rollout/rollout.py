@@ -188,6 +188,8 @@ class Rollout:
     def shutdown(self):
         if self.engine is not None:
             self.engine.shutdown()
+        if self.loop.is_closed() or self.loop.is_running():  # an engine that owns its loop
+            return
         # Let cancelled tasks (the engine's scheduler) finish before the loop closes.
         pending = asyncio.all_tasks(self.loop)
         for task in pending:

@@ -3,6 +3,7 @@ checkpoint save/resume."""
 import logging
 import os
 import random
+import time
 
 import numpy as np
 import torch
@@ -111,7 +112,16 @@ class Trainer:
             name=t.experiment_name, initial_step=self.step)
 
     def trained_workers(self) -> dict:
-        raise NotImplementedError
+        return {"actor": self.actor}
+
+    def batch_step(self, step: int, update) -> dict:
+        """One optimizer step of a supervised trainer: `update(batch) -> metrics` on this step's
+        batch, plus timing and throughput."""
+        start = time.perf_counter()
+        metrics = update([self.train_data[i] for i in self.sampler.batch(step)])
+        elapsed = time.perf_counter() - start
+        metrics.update(step_time=elapsed, tokens_per_s=metrics["tokens"] / elapsed)
+        return {f"train/{k}": v for k, v in metrics.items()}
 
     def save(self, step: int):
         checkpoint.save_checkpoint(self.run_dir, step, self.trained_workers(), self.tokenizer,

@@ -36,18 +36,14 @@ class DPOTrainer(Trainer):
         self.test_ref_logps = None  # computed at the first evaluation (the reference is frozen)
         self.maybe_resume()
 
-    def trained_workers(self):
-        return {"actor": self.actor}
-
     def train_step(self, step: int) -> dict:
+        return self.batch_step(step, self.dpo_update)
+
+    def dpo_update(self, batch) -> dict:
         start = time.perf_counter()
-        batch = [self.train_data[i] for i in self.sampler.batch(step)]
         ref_logps = self.ref.compute_sequence_logps(flatten_pairs(batch)[0])
         ref_time = time.perf_counter() - start
-        metrics = self.actor.dpo_update(batch, ref_logps)
-        elapsed = time.perf_counter() - start
-        metrics.update(step_time=elapsed, ref_time=ref_time, tokens_per_s=metrics["tokens"] / elapsed)
-        return {f"train/{k}": v for k, v in metrics.items()}
+        return dict(self.actor.dpo_update(batch, ref_logps), ref_time=ref_time)
 
     def evaluate(self) -> dict:
         if not self.test_data:

@@ -6,7 +6,6 @@ The model is loaded with AutoModelForTokenClassification(num_labels=1) (a causal
 gets a fresh 1-wide head); the reward of a sequence is the head's output at its last token. The
 final model (run_dir/final) loads with AutoModelForTokenClassification.
 """
-import time
 from functools import partial
 
 from RL2.data.formats import tokenize_pair
@@ -59,16 +58,8 @@ class RMTrainer(Trainer):
         self.actor = Critic(cfg.actor, self.device, total_steps=self.n_steps, seed=cfg.trainer.seed)
         self.maybe_resume()
 
-    def trained_workers(self):
-        return {"actor": self.actor}
-
     def train_step(self, step: int) -> dict:
-        start = time.perf_counter()
-        batch = [self.train_data[i] for i in self.sampler.batch(step)]
-        metrics = self.actor.rm_update(batch)
-        elapsed = time.perf_counter() - start
-        metrics.update(step_time=elapsed, tokens_per_s=metrics["tokens"] / elapsed)
-        return {f"train/{k}": v for k, v in metrics.items()}
+        return self.batch_step(step, self.actor.rm_update)
 
     def evaluate(self) -> dict:
         if not self.test_data:

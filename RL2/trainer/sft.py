@@ -2,7 +2,6 @@
 
     torchrun --nproc_per_node=N -m RL2.trainer.sft actor.model_name=... data.train.path=...
 """
-import time
 from functools import partial
 
 from RL2.data.formats import tokenize_sft
@@ -35,16 +34,8 @@ class SFTTrainer(Trainer):
                 f"actor.max_length_per_device*sp_size*tp_size = {capacity}; raise "
                 f"actor.max_length_per_device or actor.sp_size, or lower data.train.max_length")
 
-    def trained_workers(self):
-        return {"actor": self.actor}
-
     def train_step(self, step: int) -> dict:
-        start = time.perf_counter()
-        batch = [self.train_data[i] for i in self.sampler.batch(step)]
-        metrics = self.actor.sft_update(batch)
-        elapsed = time.perf_counter() - start
-        metrics.update(step_time=elapsed, tokens_per_s=metrics["tokens"] / elapsed)
-        return {f"train/{k}": v for k, v in metrics.items()}
+        return self.batch_step(step, self.actor.sft_update)
 
     def evaluate(self) -> dict:
         if not self.test_data:

@@ -160,7 +160,9 @@ class Trainer:
             if os.environ.get("RL2_CRASH_AFTER_STEP") == str(self.step):
                 os._exit(17)  # fault injection for the resume tests: die like a killed job
         if not t.test_freq or self.step % t.test_freq:
-            metrics_log.log(self.evaluate(), self.step, advance=False)
+            final_eval = self.evaluate()
+            if final_eval:
+                metrics_log.log(final_eval, self.step, advance=False)
         metrics_log.close()
         self.save_final()
 

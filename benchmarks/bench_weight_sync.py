@@ -9,6 +9,7 @@ model, as in the PPO trainer); the other ranks take part in the gathers. Baselin
 - memcpy: one contiguous copy of the same number of bytes (the floor for any sync);
 - per-tensor copy: `dst.copy_(src)` for every (name, tensor) of the full state dict into the
   engine model (what a sync must do locally once the full tensors exist).
+Also a prototype (`unshard_stream`, benchmark-only) that gathers one FSDP unit per all-gather.
 Times are medians of `repeats` syncs after one warm-up; wall clock (the sync is a collective).
 """
 import argparse
@@ -48,7 +49,30 @@ def _timed(fn, repeats: int, collective: bool = False) -> list[float]:
     return out
 
 
-def _layout_worker(rank: int, world_size: int, tp: int, sizes: list[str], repeats: int, bucket_mb: float):
+def unshard_stream(model, names: set[str]):
+    """Prototype of a faster gather (not the library's): one FSDP2 all-gather per FSDP unit
+    (decoder layer, then the root) via `unshard()`, instead of one DTensor `full_tensor()` per
+    parameter; peak extra memory is one unit. Yields (HF name, full tensor) like
+    `iter_full_tensors`; TP shards left after the unshard are gathered per tensor."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    units = [(n, m) for n, m in model.named_modules() if isinstance(m, FSDPModule)]
+    children = tuple(n + "." for n, _ in units if n)
+    for prefix, unit in reversed(units):  # layers first, the root (embeddings, norm, head) last
+        unit.unshard()
+        for name, p in unit.named_parameters(remove_duplicate=False):
+            full = f"{prefix}.{name}" if prefix else name
+            if (not prefix and full.startswith(children)) or full not in names:
+                continue
+            yield full, (p.full_tensor() if isinstance(p, DTensor) else p).detach()
+        unit.reshard()
+    for name, b in model.named_buffers():
+        if name in names:
+            yield name, b
+
+
+def _layout_worker(rank: int, world_size: int, tp: int, sizes: list[str], repeats: int):
     """One layout, every size; returns rank 0's rows (other ranks return None)."""
     from RL2.parallel.fsdp import parallelize
     from RL2.parallel.mesh import ParallelDims
@@ -61,16 +85,32 @@ def _layout_worker(rank: int, world_size: int, tp: int, sizes: list[str], repeat
         dims = ParallelDims(world_size, 1, tp, 1, "cpu")
         parallelize(model, dims, param_dtype=torch.float32)
         engine = TorchEngine(_build(size, seed=1), None) if rank == 0 else None
-        times = _timed(lambda: sync_weights(model, engine, bucket_mb), repeats, collective=True)
-        n_bytes = sync_weights(model, engine, bucket_mb)["sync_bytes"]
-        if rank == 0:
-            # Correctness: after the sync the engine serves exactly the trainer's weights.
-            ref = _build(size)
+        times = _timed(lambda: sync_weights(model, engine), repeats, collective=True)
+        n_bytes = sync_weights(model, engine)["sync_bytes"]
+        ref = _build(size).state_dict()
+
+        def check():  # after a sync the engine serves exactly the trainer's weights
             got = engine.model.state_dict()
-            assert all(torch.equal(got[k], v) for k, v in ref.state_dict().items()), "sync mismatch"
+            assert all(torch.equal(got[k], v) for k, v in ref.items()), "sync mismatch"
+        if rank == 0:
+            check()
+        names = set(ref)
+
+        def proto():
+            stream = unshard_stream(model, names)
+            if engine is not None:
+                engine.update_weights(stream)
+            else:
+                for _ in stream:
+                    pass
+        if rank == 0:
+            engine.update_weights(_build(size, seed=2).state_dict().items())  # scramble
+        proto_times = _timed(proto, repeats, collective=True)
+        if rank == 0:
+            check()
             src, dst = torch.empty(n_bytes, dtype=torch.uint8), torch.empty(n_bytes, dtype=torch.uint8)
             memcpy = _timed(lambda: dst.copy_(src), repeats)
-            full = list(ref.state_dict().items())
+            full = list(ref.items())
             targets = engine.model.state_dict()
 
             def per_tensor():
@@ -80,12 +120,13 @@ def _layout_worker(rank: int, world_size: int, tp: int, sizes: list[str], repeat
             copies = _timed(per_tensor, repeats)
             layout = "1 rank" if world_size == 1 else (f"{world_size}-rank TP" if tp > 1 else f"{world_size}-rank FSDP")
             rows.append([layout, size, n_bytes / 2 ** 20, len(full), median(times), median(memcpy),
-                         median(copies), median(times) / median(memcpy), median(times) / median(copies)])
+                         median(copies), median(times) / median(memcpy),
+                         median(times) / median(copies), median(proto_times),
+                         median(proto_times) / median(memcpy)])
     return rows if rank == 0 else None
 
 
-def run(quick: bool = False, sizes: list[str] | None = None, repeats: int | None = None,
-        bucket_mb: float = 512) -> str:
+def run(quick: bool = False, sizes: list[str] | None = None, repeats: int | None = None) -> str:
     from tests.dist_utils import run_dist
 
     sizes = sizes or ["1M", "25M"]
@@ -94,13 +135,14 @@ def run(quick: bool = False, sizes: list[str] | None = None, repeats: int | None
     rows, notes = [], []
     for world, tp in layouts:
         try:
-            rows += run_dist(_layout_worker, world, tp, sizes, repeats, bucket_mb, timeout=900)[0]
+            rows += run_dist(_layout_worker, world, tp, sizes, repeats, timeout=900)[0]
         except Exception as e:  # e.g. TP not working yet: report it, keep the other layouts
             last = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
             notes.append(f"- layout world={world} tp={tp} failed: `{last[:300]}`")
     headers = ["layout", "model", "MB", "tensors", "sync s", "memcpy s", "per-tensor copy s",
-               "sync / memcpy", "sync / per-tensor copy"]
-    parts = [f"### Weight sync (fp32, bucket {bucket_mb:g} MB; {machine_description('cpu', 1)}; "
+               "sync / memcpy", "sync / per-tensor copy", "prototype unshard sync s",
+               "prototype / memcpy"]
+    parts = [f"### Weight sync (fp32; {machine_description('cpu', 1)}; "
              f"median of {repeats})", table(headers, rows)]
     if notes:
         parts.append("\n".join(notes))
@@ -112,10 +154,9 @@ def main():
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--sizes", nargs="*", choices=sorted(MODEL_SIZES))
     parser.add_argument("--repeats", type=int, default=None)
-    parser.add_argument("--bucket-mb", type=float, default=512)
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
-    print(run(args.quick, args.sizes, args.repeats, args.bucket_mb))
+    print(run(args.quick, args.sizes, args.repeats))
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ torchrun --nproc_per_node="$NPROC" -m RL2.trainer.sft \
     actor.model_name="$OUT/assets/model" \
     data.train.path="$OUT/assets/data/sft_noisy_train.jsonl" \
     data.test.path="$OUT/assets/data/sft_noisy_test.jsonl" \
-    data.train.batch_size=32 actor.lr=3e-3 actor.scheduler=cosine trainer.n_epochs=2 \
+    data.train.batch_size=32 actor.lr=3e-3 actor.scheduler=cosine trainer.n_epochs=8 \
     trainer.save_dir="$OUT/ckpts" trainer.experiment_name=sft
 
 torchrun --nproc_per_node="$NPROC" -m RL2.trainer.ppo \
@@ -25,10 +25,10 @@ torchrun --nproc_per_node="$NPROC" -m RL2.trainer.ppo \
     data.train.path="$OUT/assets/data/ppo_train.jsonl" \
     data.test.path="$OUT/assets/data/ppo_test.jsonl" \
     actor.rollout.env_path=envs/answer_match.py \
-    actor.rollout.prompts_per_rollout=16 actor.rollout.responses_per_prompt=4 \
+    actor.rollout.prompts_per_rollout=16 actor.rollout.responses_per_prompt=8 \
     actor.rollout.train_sampling_params.max_new_tokens=4 \
     actor.rollout.test_sampling_params.max_new_tokens=4 \
-    actor.lr=5e-5 trainer.total_steps=30 trainer.test_freq=10 \
+    actor.lr=1e-3 trainer.total_steps=30 trainer.test_freq=10 \
     trainer.save_dir="$OUT/ckpts" trainer.experiment_name=ppo
 
 python - "$OUT/ckpts/ppo/metrics.jsonl" <<'PY'

@@ -4,7 +4,7 @@ One 1-process launch is the reference; a 2-process launch runs FSDP2 and SP2, a 
 (slow) runs DDP2 x FSDP2, DP2 x SP2 and TP2 x DP2, each on fresh workers. Every layout must reproduce
 the reference's loss, clip/entropy/KL metrics and grad norms, and the log-probs / values of the
 updated models (which depend on every parameter after two optimizer steps), in float64 (rtol
-1e-9; 1e-6 for the critic, whose values the worker returns in float32) and float32 (rtol 1e-5).
+1e-10) and float32 (rtol 1e-5).
 All loss terms are switched on: clip-higher, dual clip, TIS, k3 KL loss, entropy bonus, value
 clipping, two mini-batches, token- and sequence-level averaging.
 """
@@ -29,7 +29,7 @@ LAYOUTS = {
         "dp2_sp2": ["sp_size=2", "max_length_per_device=40"],
         "tp2_dp2": ["tp_size=2", "max_length_per_device=48"]},
 }
-DTYPES = {"float64": 1e-9, "float32": 1e-5}
+DTYPES = {"float64": 1e-10, "float32": 1e-5}
 # Both loss normalisations, without doubling the launches: float64 runs the actor at sequence
 # level (DeepSeek GRPO) and the critic at token level, float32 the other way round.
 AVG_LEVELS = {"float64": ["actor.avg_level=sequence", "critic.avg_level=token"],
@@ -115,8 +115,6 @@ def test_parallel_update_equals_serial(launches, world_size, name, dtype):
         if key.endswith("lr"):
             continue
         rtol = DTYPES[dtype]
-        if dtype == "float64" and (key.startswith("critic/") or key == "after/values"):
-            rtol = 1e-6  # Worker.forward casts values to float32, so the critic loss is fp32 math
         # abs_tol guards metrics that are sums of terms of both signs (losses near 0)
         assert math.isclose(got[key], ref[key], rel_tol=rtol, abs_tol=rtol * 1e-2), \
             f"{name} {dtype} {key}: {got[key]} vs serial {ref[key]}"

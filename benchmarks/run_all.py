@@ -3,7 +3,8 @@
     python -m benchmarks.run_all [--quick] [--out benchmarks/results.md] [--only sft ppo ...]
 
 Each benchmark runs in its own subprocess (clean process group, thread settings and memory);
-its stdout is markdown. CPU defaults fit in about 15 minutes on 2 cores (`--quick`: about half);
+its stdout is markdown. CPU defaults take 7-9 minutes on 2 cores (within 15; `--quick`: fewer
+repeats, smaller models);
 with CUDA the scripts pick bigger defaults themselves (SFT batch, PPO on the GPU). Ratios are
 always taken within one invocation, so they stay meaningful on a loaded machine even when the
 absolute numbers do not.
@@ -33,6 +34,8 @@ def commands(quick: bool, cuda: bool) -> dict[str, list[str]]:
         "weight_sync": py + ["benchmarks.bench_weight_sync", *q],
         "ppo": py + ["benchmarks.bench_ppo", *q] + (["--device", "cuda", "--sizes", "4M", "25M"] if cuda else []),
         "engine": engine,
+        "sp": [sys.executable, os.path.join(REPO, "benchmarks", "bench_sp.py"), "--sp", "1", "2",
+               "--repeats", "2"] + (["--length", "4096"] if quick else []),
     }
 
 
@@ -52,15 +55,17 @@ def run_one(name: str, cmd: list[str], timeout: float) -> tuple[str, float]:
     out = proc.stdout.strip()
     if name == "engine" and not out.startswith("#"):  # plain-text table: keep it verbatim
         out = f"### Rollout engine vs HF generate\n\n```\n{out}\n```"
+    elif not out.startswith("#"):
+        out = f"### {name}\n\n{out}"
     return out, elapsed
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="smaller workloads (about half the time)")
+    parser.add_argument("--quick", action="store_true", help="fewer repeats, smaller models")
     parser.add_argument("--out", default=None, help="also write the tables to this markdown file")
     parser.add_argument("--only", nargs="*", default=None,
-                        choices=["packing", "sft", "weight_sync", "ppo", "engine"])
+                        choices=["packing", "sft", "weight_sync", "ppo", "engine", "sp"])
     parser.add_argument("--timeout", type=float, default=1800, help="per benchmark, seconds")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")

@@ -171,8 +171,11 @@ class TorchEngine(Engine):
         if "weights" in tags and self.offload_weights and self.device.type != "cpu":
             self.model.to("cpu")
         self._released |= tags
-        gc.collect()
         if self.device.type == "cuda":
+            # A full collection costs ~0.3-1 s per rollout over a trainer's objects; only worth it
+            # when the caching allocator can hand the memory back. On CPU, reference counting
+            # already freed the KV tensors.
+            gc.collect()
             torch.cuda.empty_cache()
 
     def resume_memory(self, tags: list[str] | None = None) -> None:

@@ -73,7 +73,7 @@ class Worker:
         if train:
             self.optimizer = torch.optim.AdamW(
                 self.model.parameters(), lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,
-                weight_decay=cfg.weight_decay)
+                weight_decay=cfg.weight_decay, foreach=True)  # one multi-tensor update, not per-param DTensor dispatch
             self.scheduler = make_scheduler(self.optimizer, cfg, total_steps)
         else:
             self.model.eval()

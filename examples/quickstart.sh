@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Quick-start on CPU, from a fresh clone: install, build offline assets (tokenizer, tiny Qwen2,
 # arithmetic data), SFT warm start on noisy answers, then GRPO-style PPO that raises the reward.
-# Usage: bash examples/quickstart.sh [NPROC]      (default 2 processes; ~5 minutes on 2 cores)
+# Usage: bash examples/quickstart.sh [NPROC]      (default 2 processes; ~1-2 minutes on 2 cores)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 NPROC="${1:-2}"

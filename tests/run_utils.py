@@ -1,5 +1,6 @@
 """Launch a trainer under real torchrun (gloo) and read back its per-step metrics."""
 import json
+import math
 import os
 import subprocess
 import sys
@@ -28,3 +29,10 @@ def read_metrics(run_dir) -> list[dict]:
 
 def train_rows(run_dir, key: str) -> list[float]:
     return [r[key] for r in read_metrics(run_dir) if key in r]
+
+
+def assert_close(a, b, rtol, what, atol=0.0):
+    """Per-step metric lists are equal within rtol (and atol) — the parallel == serial check."""
+    assert len(a) == len(b), (what, a, b)
+    for x, y in zip(a, b):
+        assert math.isclose(x, y, rel_tol=rtol, abs_tol=atol), f"{what}: {a} vs {b}"

@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from tests.run_utils import read_metrics, run_trainer, train_rows
-from tests.test_rm import assert_close, bad_rows_file, serial_runs
+from tests.run_utils import assert_close, read_metrics, run_trainer, train_rows
+from tests.test_rm import bad_rows_file, serial_runs
 
 SFT_COEF = 0.1
 

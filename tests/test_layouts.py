@@ -5,8 +5,8 @@ import os
 import pytest
 import torch
 
-from tests.run_utils import read_metrics, run_trainer, train_rows
-from tests.test_sft import assert_close, sft_args
+from tests.run_utils import assert_close, read_metrics, run_trainer, train_rows
+from tests.test_sft import sft_args
 
 pytestmark = pytest.mark.slow  # 4-rank torchrun launches
 

@@ -9,19 +9,13 @@ import pytest
 import torch
 
 from tests.dist_utils import run_dist
-from tests.run_utils import read_metrics, run_trainer, train_rows
+from tests.run_utils import assert_close, read_metrics, run_trainer, train_rows
 
 
 def rm_args(assets, *extra):
     return [f"actor.model_name={assets['model']}", f"data.train.path={assets['data']}/pref_train.jsonl",
             f"data.test.path={assets['data']}/pref_test.jsonl", "data.train.batch_size=16",
             "data.test.batch_size=8", "actor.lr=1e-3", "trainer.total_steps=3", *extra]
-
-
-def assert_close(a, b, rtol, what, atol=0.0):
-    assert len(a) == len(b), (what, a, b)
-    for x, y in zip(a, b):
-        assert math.isclose(x, y, rel_tol=rtol, abs_tol=atol), f"{what}: {a} vs {b}"
 
 
 # ----------------------------------------------------------------- collectives (2 gloo ranks)

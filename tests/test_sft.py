@@ -5,19 +5,13 @@ import os
 import pytest
 import torch
 
-from tests.run_utils import read_metrics, run_trainer, train_rows
+from tests.run_utils import assert_close, read_metrics, run_trainer, train_rows
 
 
 def sft_args(assets, *extra):
     return [f"actor.model_name={assets['model']}", f"data.train.path={assets['data']}/sft_train.jsonl",
             f"data.test.path={assets['data']}/sft_test.jsonl", "data.train.batch_size=16",
             "actor.lr=1e-3", "trainer.total_steps=3", *extra]
-
-
-def assert_close(a, b, rtol, what):
-    assert len(a) == len(b), (what, a, b)
-    for x, y in zip(a, b):
-        assert math.isclose(x, y, rel_tol=rtol, abs_tol=0), f"{what}: {a} vs {b}"
 
 
 LAYOUTS = [

@@ -4,13 +4,14 @@ tensors -> the embedded TorchEngine) vs the time to copy the same bytes once, pe
     python -m benchmarks.bench_weight_sync [--quick] [--sizes 1M 25M]
 
 Layouts run in real gloo process groups (tests/dist_utils.run_dist): 1 rank (FSDP over one
-rank), 2-rank FSDP, 2-rank TP (if apply_tp works). Rank 0 holds the engine (a separate plain HF
-model, as in the PPO trainer); the other ranks take part in the gathers. Baselines on rank 0:
-- memcpy: one contiguous copy of the same number of bytes (the floor for any sync);
-- per-tensor copy: `dst.copy_(src)` for every (name, tensor) of the full state dict into the
-  engine model (what a sync must do locally once the full tensors exist).
-Also a prototype (`unshard_stream`, benchmark-only) that gathers one FSDP unit per all-gather.
-Times are medians of `repeats` syncs after one warm-up; wall clock (the sync is a collective).
+rank), 2-rank FSDP, 2-rank TP. Every rank holds an engine (a separate plain HF model, as in the
+PPO trainer with the torch engine). The sync is a `WeightSync` built once, as in a training run:
+"auto" picks the transport (local on one rank, shared memory on one host); "gather" is the
+per-parameter all-gather (the previous default, and the multi-host / GPU path). Baselines on
+rank 0: memcpy, one contiguous copy of the same number of bytes (the floor for any sync), and
+per-tensor copy, `dst.copy_(src)` for every tensor of the full state dict into the engine model
+(what any sync must do locally once full tensors exist). Times are medians of `repeats` syncs
+after one warm-up; wall clock (the sync is a collective).
 """
 import argparse
 import logging
@@ -49,65 +50,35 @@ def _timed(fn, repeats: int, collective: bool = False) -> list[float]:
     return out
 
 
-def unshard_stream(model, names: set[str]):
-    """Prototype of a faster gather (not the library's): one FSDP2 all-gather per FSDP unit
-    (decoder layer, then the root) via `unshard()`, instead of one DTensor `full_tensor()` per
-    parameter; peak extra memory is one unit. Yields (HF name, full tensor) like
-    `iter_full_tensors`; TP shards left after the unshard are gathered per tensor."""
-    from torch.distributed.fsdp import FSDPModule
-    from torch.distributed.tensor import DTensor
-
-    units = [(n, m) for n, m in model.named_modules() if isinstance(m, FSDPModule)]
-    children = tuple(n + "." for n, _ in units if n)
-    for prefix, unit in reversed(units):  # layers first, the root (embeddings, norm, head) last
-        unit.unshard()
-        for name, p in unit.named_parameters(remove_duplicate=False):
-            full = f"{prefix}.{name}" if prefix else name
-            if (not prefix and full.startswith(children)) or full not in names:
-                continue
-            yield full, (p.full_tensor() if isinstance(p, DTensor) else p).detach()
-        unit.reshard()
-    for name, b in model.named_buffers():
-        if name in names:
-            yield name, b
-
-
 def _layout_worker(rank: int, world_size: int, tp: int, sizes: list[str], repeats: int):
     """One layout, every size; returns rank 0's rows (other ranks return None)."""
     from RL2.parallel.fsdp import parallelize
     from RL2.parallel.mesh import ParallelDims
     from RL2.rollout.torch_engine import TorchEngine
-    from RL2.rollout.weight_sync import sync_weights
+    from RL2.rollout.weight_sync import WeightSync
 
     rows = []
     for size in sizes:
         model = _build(size)
         dims = ParallelDims(world_size, 1, tp, 1, "cpu")
         parallelize(model, dims, param_dtype=torch.float32)
-        engine = TorchEngine(_build(size, seed=1), None) if rank == 0 else None
-        times = _timed(lambda: sync_weights(model, engine), repeats, collective=True)
-        n_bytes = sync_weights(model, engine)["sync_bytes"]
+        engine = TorchEngine(_build(size, seed=1), None)
         ref = _build(size).state_dict()
 
         def check():  # after a sync the engine serves exactly the trainer's weights
             got = engine.model.state_dict()
             assert all(torch.equal(got[k], v) for k, v in ref.items()), "sync mismatch"
-        if rank == 0:
-            check()
-        names = set(ref)
+            engine.update_weights(_build(size, seed=2).state_dict().items())  # scramble again
 
-        def proto():
-            stream = unshard_stream(model, names)
-            if engine is not None:
-                engine.update_weights(stream)
-            else:
-                for _ in stream:
-                    pass
-        if rank == 0:
-            engine.update_weights(_build(size, seed=2).state_dict().items())  # scramble
-        proto_times = _timed(proto, repeats, collective=True)
-        if rank == 0:
+        timings = {}
+        for transport in ("auto", "buckets", "gather"):
+            sync = (WeightSync(model, share=False) if transport == "buckets"
+                    else WeightSync(model, transport))
+            timings[transport] = median(_timed(lambda: sync(engine), repeats, collective=True))
+            n_bytes = sync(engine)["sync_bytes"]
             check()
+            timings[transport + " name"] = sync.transport + (f" ({sync.mode})" if sync.mode else "")
+        if rank == 0:
             src, dst = torch.empty(n_bytes, dtype=torch.uint8), torch.empty(n_bytes, dtype=torch.uint8)
             memcpy = _timed(lambda: dst.copy_(src), repeats)
             full = list(ref.items())
@@ -119,10 +90,11 @@ def _layout_worker(rank: int, world_size: int, tp: int, sizes: list[str], repeat
                         targets[name].copy_(t)
             copies = _timed(per_tensor, repeats)
             layout = "1 rank" if world_size == 1 else (f"{world_size}-rank TP" if tp > 1 else f"{world_size}-rank FSDP")
-            rows.append([layout, size, n_bytes / 2 ** 20, len(full), median(times), median(memcpy),
-                         median(copies), median(times) / median(memcpy),
-                         median(times) / median(copies), median(proto_times),
-                         median(proto_times) / median(memcpy)])
+            auto, gather, buckets = timings["auto"], timings["gather"], timings["buckets"]
+            mc = median(memcpy)
+            rows.append([layout, size, n_bytes / 2 ** 20, len(full), timings["auto name"], auto,
+                         mc, median(copies), auto / mc, auto / median(copies),
+                         timings["buckets name"], buckets / mc, gather / mc])
     return rows if rank == 0 else None
 
 
@@ -139,9 +111,9 @@ def run(quick: bool = False, sizes: list[str] | None = None, repeats: int | None
         except Exception as e:  # e.g. TP not working yet: report it, keep the other layouts
             last = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
             notes.append(f"- layout world={world} tp={tp} failed: `{last[:300]}`")
-    headers = ["layout", "model", "MB", "tensors", "sync s", "memcpy s", "per-tensor copy s",
-               "sync / memcpy", "sync / per-tensor copy", "prototype unshard sync s",
-               "prototype / memcpy"]
+    headers = ["layout", "model", "MB", "tensors", "transport (auto)", "sync s", "memcpy s",
+               "per-tensor copy s", "sync / memcpy", "sync / per-tensor copy",
+               "copying engines", "copying / memcpy", "per-tensor all-gather / memcpy"]
     parts = [f"### Weight sync (fp32; {machine_description('cpu', 1)}; "
              f"median of {repeats})", table(headers, rows)]
     if notes:

@@ -194,6 +194,8 @@ def test_refills_are_bounded_and_failures_over_budget_stop_the_run(tmp_path, mon
     (["actor.rollout.max_length=9000"], "actor.max_length_per_device"),
     (["adv.estimator=gae", "critic.max_length_per_device=100"], "critic.max_length_per_device"),
     (["actor.rollout.overlong_buffer=200"], "overlong_buffer"),
+    (["actor.rollout.weight_sync=nccl"], "actor.rollout.weight_sync"),
+    (["actor.rollout.bucket_mb=0"], "actor.rollout.bucket_mb"),
 ])
 def test_bad_configs_stop_with_the_key_to_change(overrides, message):
     with pytest.raises(SystemExit, match=message):

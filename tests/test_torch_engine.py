@@ -294,17 +294,23 @@ def test_bad_inputs(model):
 
 
 @pytest.mark.parametrize("failing_call", [1, 3])  # 1: the prefill, 3: a decode step
-def test_scheduler_error_reaches_every_caller_then_recovers(model, monkeypatch, failing_call):
-    engine = TorchEngine(model, None)
-    calls = {"n": 0}
-    forward = model.forward
+@pytest.mark.parametrize("fast", [True, False], ids=["fast_decode", "hf_decode"])
+def test_scheduler_error_reaches_every_caller_then_recovers(model, monkeypatch, failing_call, fast):
+    import RL2.rollout.fast_decode as fast_decode
 
-    def flaky(*a, **kw):
-        calls["n"] += 1
-        if calls["n"] == failing_call:
-            raise RuntimeError("boom")
-        return forward(*a, **kw)
-    monkeypatch.setattr(model, "forward", flaky)
+    engine = TorchEngine(model, None, fast_decode=fast)
+    assert engine.fast_decode == fast
+    calls = {"n": 0}
+
+    def flaky(fn):
+        def wrapped(*a, **kw):
+            calls["n"] += 1
+            if calls["n"] == failing_call:
+                raise RuntimeError("boom")
+            return fn(*a, **kw)
+        return wrapped
+    monkeypatch.setattr(model, "forward", flaky(model.forward))
+    monkeypatch.setattr(fast_decode, "decode_step", flaky(fast_decode.decode_step))
 
     async def main():
         jobs = [engine.generate(p, SamplingParams(temperature=0, max_new_tokens=10)) for p in random_prompts(4)]
@@ -366,3 +372,45 @@ def test_make_engine(tmp_path, model):
     if importlib.util.find_spec("sglang") is None:
         with pytest.raises(ImportError, match="SGLang extra"):
             make_engine("sglang", str(tmp_path), None)
+
+
+def _arch_model(arch):
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                  initializer_range=0.2)
+    torch.manual_seed(3)
+    if arch == "llama":
+        return LlamaForCausalLM(LlamaConfig(**common, attention_bias=True, mlp_bias=True)).eval()
+    if arch == "qwen3":
+        return Qwen3ForCausalLM(Qwen3Config(**common, head_dim=24)).eval()  # q/k norms, odd head_dim
+    return tiny_model(seed=3, tie=True)
+
+
+@pytest.mark.parametrize("arch", ["qwen2_tied", "llama", "qwen3"])
+def test_fast_decode_matches_hf(arch):
+    """The hand-written decode step (RL2/rollout/fast_decode.py) == the HF forward: greedy tokens
+    equal HF generate, log-probs equal an HF forward, on each supported architecture."""
+    from RL2.rollout import fast_decode
+    model = _arch_model(arch)
+    assert fast_decode.supports(model)
+    engine = TorchEngine(model, None)
+    assert engine.fast_decode
+    prompts = random_prompts(6, seed=5)
+    params = SamplingParams(temperature=0, max_new_tokens=12)
+
+    async def run():
+        return await asyncio.gather(*[engine.generate(p, params) for p in prompts])
+    for prompt, (out,) in zip(prompts, asyncio.run(run())):
+        assert out.token_ids == hf_greedy(model, prompt, 12, eos=None)
+        torch.testing.assert_close(torch.tensor(out.logprobs), hf_logprobs(model, prompt, out.token_ids, 1.0),
+                                   atol=1e-5, rtol=0)
+
+
+def test_fast_decode_declines_other_architectures():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from RL2.rollout import fast_decode
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=2)).eval()
+    assert not fast_decode.supports(gpt2)
+    assert not TorchEngine(gpt2, None).fast_decode

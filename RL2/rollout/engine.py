@@ -73,6 +73,19 @@ class Engine(ABC):
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load full (unsharded) tensors keyed by HF parameter names."""
 
+    def can_share_weights(self) -> bool:
+        """Whether `share_weights` works (weights in this process's CPU memory)."""
+        return False
+
+    def share_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Use these full CPU tensors (shared memory written by the trainer ranks) as the weights
+        themselves, without a copy; later in-place rewrites are announced by `weights_changed`."""
+        raise NotImplementedError(f"{type(self).__name__} cannot share weights")
+
+    def weights_changed(self) -> None:
+        """The shared weight tensors were rewritten in place."""
+        raise NotImplementedError(f"{type(self).__name__} cannot share weights")
+
     @abstractmethod
     def release_memory(self, tags: list[str] | None = None) -> None:
         """Free generation memory while training runs; in-flight requests end with "abort".

@@ -40,20 +40,22 @@ class BatchKV:
                 bufs[li] = new
         self.start, self.end = left, left + width
 
-    def add(self, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
-        """Append rows given per layer as [r, heads, w, dim] (left-padded to w)."""
+    def add(self, keys: list[torch.Tensor], values: list[torch.Tensor], room: int = 0) -> None:
+        """Append rows given per layer as [r, heads, w, dim] (left-padded to w). `room`: decode
+        columns the batch will need after them (sized now, so decoding never reallocates)."""
         r, _, w, _ = keys[0].shape
         if not self.k:  # first use: shapes, dtype and device come from the model
-            self.k = [k.new_zeros(k.shape[0], k.shape[1], 1, k.shape[3]) for k in keys]
-            self.v = [v.new_zeros(v.shape[0], v.shape[1], 1, v.shape[3]) for v in values]
+            self.k = [k.new_zeros(0, k.shape[1], 0, k.shape[3]) for k in keys]
+            self.v = [v.new_zeros(0, v.shape[1], 0, v.shape[3]) for v in values]
         row_cap, len_cap = self.k[0].shape[0], self.k[0].shape[2]
         width = self.end - self.start
-        if self.rows + r > row_cap or self.end - w < 0:
-            # grow; keep some free columns on the left for later, longer prompts
-            needed = max(width, w)
-            len_cap = max(len_cap, 2 * needed + 16)
-            left = needed - width + (len_cap - needed) // 4
-            self._realloc(max(self.rows + r, 2 * row_cap), len_cap, left)
+        if self.rows + r > row_cap or self.end - w < 0 or self.end + room > len_cap:
+            need_left = max(width, w)  # columns up to `end` (the new rows are right-aligned there)
+            len_cap = max(len_cap, need_left + room + 16)
+            # spare columns: a quarter on the left for later, longer prompts; the rest on the right
+            left = need_left - width + (len_cap - need_left - room) // 4
+            rows = self.rows + r if row_cap == 0 else max(self.rows + r, 2 * row_cap)
+            self._realloc(max(rows, row_cap), len_cap, left)
         for bufs, new in ((self.k, keys), (self.v, values)):
             for buf, x in zip(bufs, new):
                 buf[self.rows:self.rows + r, :, self.end - w:self.end] = x

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from RL2.rollout.engine import SamplingParams, derive_seed, make_engine
 from RL2.rollout.trajectory import run_trajectory
-from RL2.rollout.weight_sync import sync_weights
+from RL2.rollout.weight_sync import WeightSync
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +39,7 @@ class Rollout:
         self.is_leader = rank % cfg.tp_size == 0
         self.loop = asyncio.new_event_loop()  # one loop for the whole run (SGLang binds to it)
         self.engine = None
+        self._weight_sync = None  # built on the first sync (a collective over the model's ranks)
         if self.is_leader:
             kw = {}
             if cfg.engine in ("sglang", "auto") and device == "cuda":
@@ -55,7 +56,9 @@ class Rollout:
         # For an SGLang group the rest of the group only takes part in the weight gathers.
 
     def sync(self, model) -> dict:
-        return sync_weights(model, self.engine)
+        if self._weight_sync is None or self._weight_sync.model is not model:
+            self._weight_sync = WeightSync(model, self.cfg.weight_sync, self.cfg.bucket_mb)
+        return self._weight_sync(self.engine)
 
     def release(self):
         if self.engine is not None:

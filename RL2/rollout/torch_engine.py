@@ -46,12 +46,14 @@ from typing import Iterable
 import torch
 import torch.nn.functional as F
 
+from RL2.rollout import fast_decode as fast_decode_lib
 from RL2.rollout.engine import Engine, GenerationOutput, SamplingParams, derive_seed
 from RL2.rollout.kv_cache import BatchKV
 
 logger = logging.getLogger(__name__)
 
-GREEDY_BELOW = 1e-6  # temperatures below this decode greedily (as SGLang does), log-probs at T=1
+GREEDY_BELOW = 1e-6
+ROOM_CAP = 1024  # decode columns reserved up front when rows join the batch  # temperatures below this decode greedily (as SGLang does), log-probs at T=1
 
 
 @dataclass(eq=False)
@@ -77,12 +79,14 @@ class TorchEngine(Engine):
                  dtype: torch.dtype | str = torch.float32, max_model_len: int | None = None,
                  max_batch_size: int = 256, max_prefill_tokens: int = 16384,
                  prefix_cache_mb: float = 512, attn_implementation: str = "sdpa",
-                 offload_weights: bool = True, seed: int = 0):
+                 offload_weights: bool = True, fast_decode: bool = True, seed: int = 0):
         """`model`: HF directory or an nn.Module (used as is, not copied). `tokenizer`: HF
         tokenizer, a path, or None (then no stop strings and no implicit eos). `offload_weights`:
         release_memory also moves the weights to CPU (only when the device is not CPU).
         `prefix_cache_mb`: memory for the KV of finished samples, kept for reuse by later prompts
-        that extend them (0 disables)."""
+        that extend them (0 disables). `fast_decode`: decode steps of Llama-family models run
+        through RL2/rollout/fast_decode.py instead of the HF forward (other models always use
+        the HF forward)."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         if isinstance(dtype, str):
@@ -97,6 +101,7 @@ class TorchEngine(Engine):
         if isinstance(tokenizer, str):
             tokenizer = AutoTokenizer.from_pretrained(tokenizer)
         self.tokenizer = tokenizer
+        self.fast_decode = fast_decode and fast_decode_lib.supports(self.model)
         cfg = self.model.config.get_text_config(decoder=True)
         self.vocab_size = self.model.get_output_embeddings().weight.shape[0]
         self.max_model_len = int(max_model_len or cfg.max_position_embeddings)
@@ -161,6 +166,27 @@ class TorchEngine(Engine):
                 raise ValueError(f"update_weights: {name} has shape {tuple(tensor.shape)}, "
                                  f"expected {tuple(target.shape)}")
             target.data.copy_(tensor)
+
+    def can_share_weights(self) -> bool:
+        return self.device.type == "cpu"
+
+    @torch.no_grad()
+    def share_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        if not self.can_share_weights():
+            raise RuntimeError(f"share_weights needs the engine on the CPU, not {self.device}")
+        self.clear_prefix_cache()
+        targets = self.model.state_dict(keep_vars=True)
+        for name, tensor in named_tensors:
+            if name not in targets:
+                raise KeyError(f"share_weights: unknown parameter {name!r}")
+            target = targets[name]
+            if tuple(target.shape) != tuple(tensor.shape) or target.dtype != tensor.dtype:
+                raise ValueError(f"share_weights: {name} is {tuple(tensor.shape)} {tensor.dtype}, "
+                                 f"expected {tuple(target.shape)} {target.dtype}")
+            target.data = tensor  # tied weights: one parameter under two names, same values
+
+    def weights_changed(self) -> None:
+        self.clear_prefix_cache()  # cached KV belongs to the old weights
 
     def release_memory(self, tags: list[str] | None = None) -> None:
         """Any tag aborts in-flight requests and drops the KV cache; "weights" (or None) also
@@ -366,7 +392,12 @@ class TorchEngine(Engine):
         self._prefix, self._prefix_bytes = OrderedDict(), 0
 
     def _merge(self, cache, mask, seqs, last) -> None:
-        self._kv.add([layer.keys for layer in cache.layers], [layer.values for layer in cache.layers])
+        # decode columns these rows may still need (capped: most responses stop early; the
+        # cache still grows by doubling past the cap)
+        room = max(min(s.req.params.max_new_tokens - len(s.tokens),
+                       self.max_model_len - len(s.req.prompt) - len(s.tokens)) for s in seqs)
+        self._kv.add([layer.keys for layer in cache.layers], [layer.values for layer in cache.layers],
+                     room=min(max(room, 0), ROOM_CAP))
         lens = mask.sum(1)
         if not self._rows:
             self._mask, self._lens, self._last, self._rows = mask, lens, last, seqs
@@ -388,12 +419,15 @@ class TorchEngine(Engine):
         batch = len(self._rows)
         self._mask = torch.cat([self._mask, self._mask.new_ones(batch, 1)], dim=1)
         self._kv.reserve(1)
-        out = self.model(input_ids=self._last[:, None], attention_mask=self._mask,
-                         position_ids=self._lens[:, None], past_key_values=self._kv.cache(),
-                         use_cache=True)
+        if self.fast_decode:
+            logits = fast_decode_lib.decode_step(self.model, self._last, self._lens, self._kv, self._mask)
+        else:
+            logits = self.model(input_ids=self._last[:, None], attention_mask=self._mask,
+                                position_ids=self._lens[:, None], past_key_values=self._kv.cache(),
+                                use_cache=True).logits[:, -1]
         self._kv.advance(1)
         self._lens = self._lens + 1
-        tokens = self._sample(out.logits[:, -1].float(), self._rows)
+        tokens = self._sample(logits.float(), self._rows)
         self._last = torch.tensor([t for t, _ in tokens], device=self.device)
         keep, done = [], {}
         for j, seq in enumerate(self._rows):

@@ -20,6 +20,7 @@ from RL2.algorithms.losses import AVG_LEVELS, KL_ESTIMATORS
 from RL2.data.formats import tokenize_prompt
 from RL2.rollout.env import EnvError, load_env
 from RL2.rollout.rollout import Rollout
+from RL2.rollout.weight_sync import TRANSPORTS
 from RL2.trainer.base import Trainer
 from RL2.utils.config import load_config
 from RL2.workers.actor import Actor
@@ -69,6 +70,10 @@ def check_config(cfg):
     if r.overlong_buffer and r.overlong_buffer >= r.train_sampling_params.max_new_tokens:
         problems.append(f"actor.rollout.overlong_buffer={r.overlong_buffer} must be smaller than "
                         f"train_sampling_params.max_new_tokens={r.train_sampling_params.max_new_tokens}")
+    if r.weight_sync not in TRANSPORTS:
+        problems.append(f"actor.rollout.weight_sync={r.weight_sync!r}: use one of {TRANSPORTS}")
+    if r.bucket_mb <= 0:
+        problems.append(f"actor.rollout.bucket_mb={r.bucket_mb} must be > 0")
     if not 0 <= r.max_failed_ratio <= 1:
         problems.append(f"actor.rollout.max_failed_ratio={r.max_failed_ratio} must be in [0, 1]")
     # A rollout sequence must fit one micro-batch of every worker that reads it.

@@ -10,8 +10,9 @@ PPO trainer with the torch engine). The sync is a `WeightSync` built once, as in
 per-parameter all-gather (the previous default, and the multi-host / GPU path). Baselines on
 rank 0: memcpy, one contiguous copy of the same number of bytes (the floor for any sync), and
 per-tensor copy, `dst.copy_(src)` for every tensor of the full state dict into the engine model
-(what any sync must do locally once full tensors exist). Times are medians of `repeats` syncs
-after one warm-up; wall clock (the sync is a collective).
+(what any sync must do locally once full tensors exist). Times are medians of `repeats`
+samples, each the mean of 5 back-to-back syncs after one warm-up; wall clock (the sync is a
+collective).
 """
 import argparse
 import logging
@@ -36,7 +37,9 @@ def _build(size: str, seed: int = 0):
     return AutoModelForCausalLM.from_config(config)
 
 
-def _timed(fn, repeats: int, collective: bool = False) -> list[float]:
+def _timed(fn, repeats: int, collective: bool = False, inner: int = 5) -> list[float]:
+    """Seconds per call: `repeats` samples, each the mean of `inner` back-to-back calls (a single
+    sub-millisecond sync would mostly measure how unevenly the ranks left the barrier)."""
     import torch.distributed as dist
 
     fn()  # warm-up
@@ -45,8 +48,9 @@ def _timed(fn, repeats: int, collective: bool = False) -> list[float]:
         if collective:  # start every rank together
             dist.barrier()
         start = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - start)
+        for _ in range(inner):
+            fn()
+        out.append((time.perf_counter() - start) / inner)
     return out
 
 

@@ -111,6 +111,13 @@ def _transports_agree(rank, world, model_dir, data_path, layout):
         if world > 1:
             report["buckets"] = syncs["shm"]._regions[-1].bucket + 1
     report["mode"] = engine_sync.mode
+    # Writing into a sharing engine gives it its own copy: the trainer's weights (aliased on one
+    # rank) stay intact, and the next sync shares again.
+    engine.update_weights((n, torch.zeros_like(t)) for n, t in ref.items())
+    intact = all(torch.equal(t, ref[n]) for n, t in iter_full_tensors(actor.model))
+    engine_sync(engine)
+    got = engine.model.state_dict()
+    report["unshared_ok"] = intact and all(torch.equal(got[n], ref[n]) for n in ref)
     half = WeightSync(actor.model, dtype=torch.bfloat16)
     got = dict(half.stream())
     report["bf16_ok"] = all(got[n].dtype == (torch.bfloat16 if ref[n].is_floating_point() else ref[n].dtype)
@@ -131,6 +138,7 @@ def test_weight_sync_transports_agree(assets, world, layout):
     for r in results:
         assert r["mismatch"] == [], r
         assert r["bf16_ok"], r
+        assert r["mode"] == ("shared" if world > 1 else "aliased"), r
+        assert r["unshared_ok"], r
         if world > 1:
             assert r["buckets"] > 1, r  # the small bucket size really split the model
-            assert r["mode"] == "shared", r

@@ -86,6 +86,11 @@ class Engine(ABC):
         """The shared weight tensors were rewritten in place."""
         raise NotImplementedError(f"{type(self).__name__} cannot share weights")
 
+    def weights_shared(self) -> bool:
+        """Whether the weights are still the tensors given to `share_weights` (an
+        `update_weights` call gives the engine its own copy again)."""
+        return False
+
     @abstractmethod
     def release_memory(self, tags: list[str] | None = None) -> None:
         """Free generation memory while training runs; in-flight requests end with "abort".

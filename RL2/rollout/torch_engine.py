@@ -113,6 +113,7 @@ class TorchEngine(Engine):
         eos = getattr(tokenizer, "eos_token_id", None)
         self._eos_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
         self._rng = random.Random(seed)
+        self._weights_shared = False  # weights are tensors owned by the trainer (share_weights)
         self._waiting: list[_Request] = []
         self._reset_batch()
         self._loop = self._task = self._wakeup = None
@@ -157,6 +158,11 @@ class TorchEngine(Engine):
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         # keep_vars gives the live parameters; tied weights appear under both names.
         self.clear_prefix_cache()  # cached KV belongs to the old weights
+        if self._weights_shared:  # never write into memory the trainer owns: own a copy first
+            with torch.no_grad():
+                for p in self.model.parameters():
+                    p.data = p.data.clone()
+            self._weights_shared = False
         targets = self.model.state_dict(keep_vars=True)
         for name, tensor in named_tensors:
             if name not in targets:
@@ -184,9 +190,13 @@ class TorchEngine(Engine):
                 raise ValueError(f"share_weights: {name} is {tuple(tensor.shape)} {tensor.dtype}, "
                                  f"expected {tuple(target.shape)} {target.dtype}")
             target.data = tensor  # tied weights: one parameter under two names, same values
+        self._weights_shared = True
 
     def weights_changed(self) -> None:
         self.clear_prefix_cache()  # cached KV belongs to the old weights
+
+    def weights_shared(self) -> bool:
+        return self._weights_shared
 
     def release_memory(self, tags: list[str] | None = None) -> None:
         """Any tag aborts in-flight requests and drops the KV cache; "weights" (or None) also

@@ -5,6 +5,8 @@ arrives, the SGLang adapter groups them into dtype-homogeneous buckets of bounde
 full tensors are produced (the transport) is chosen once per run by `WeightSync`:
 
 - "local": every tensor lives on a one-rank mesh; its local shard already is the full tensor.
+  An engine in this process's CPU memory without a dtype cast uses those tensors as its weights
+  ("aliased": the optimizer's in-place updates are the sync); other engines copy them.
 - "shm" (CPU, every rank on one host): each rank writes its own shard, at the offset DCP would
   use, into a shared-memory file mapped by every rank; a gloo all-gather per parameter instead
   costs a TCP round trip per tensor (20-50x a memcpy). Two modes:
@@ -24,6 +26,7 @@ from __future__ import annotations
 import logging
 import mmap
 import os
+import select
 import socket
 import time
 import uuid
@@ -66,6 +69,12 @@ def _local(tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor.detach()
 
 
+def _raw_local(tensor) -> torch.Tensor:
+    """This rank's shard itself: `to_local()` is an autograd function (~2.5 us a call, a third of
+    a small model's sync); the raw attribute is only read under no_grad, as a copy source."""
+    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+
+
 @dataclass
 class _Region:
     """Where one full tensor lives in a shared bucket, and which part of it this rank writes."""
@@ -105,9 +114,64 @@ def _shard_index(tensor: torch.Tensor):
     return tuple(slice(o, o + s) for o, s in zip(offset, shape))
 
 
+class _PipeBarrier:
+    """A barrier for the ranks of one host over named pipes in /dev/shm, rank 0 the hub: a gloo
+    all_reduce of one float costs ~170 us on loopback TCP, a pipe round trip ~20 us. The kernel's
+    pipe locking orders each rank's shared-memory writes before the barrier ahead of any read
+    after it, on any CPU architecture."""
+
+    TIMEOUT = 1800.0  # seconds, torch's default process-group timeout
+
+    def __init__(self, prefix: str):
+        rank, world = dist.get_rank(), dist.get_world_size()
+        self.rank, self.world = rank, world
+        paths = [f"{prefix}-up"] + [f"{prefix}-down{r}" for r in range(1, world)]
+        if rank == 0:
+            for path in paths:
+                os.mkfifo(path, 0o600)
+        dist.barrier()
+        # O_RDWR: opening never blocks on the other end being open yet (Linux).
+        if rank == 0:
+            self._up = os.open(paths[0], os.O_RDWR)
+            self._down = [os.open(p, os.O_RDWR) for p in paths[1:]]
+        else:
+            self._up = os.open(paths[0], os.O_RDWR)
+            self._down = [os.open(paths[rank], os.O_RDWR)]
+        self.paths = paths
+
+    def _read(self, fd: int, n: int) -> None:
+        got = 0
+        while got < n:
+            ready, _, _ = select.select([fd], [], [], self.TIMEOUT)
+            if not ready:
+                raise TimeoutError(f"weight sync: rank {self.rank} waited {self.TIMEOUT:.0f} s for "
+                                   "the other ranks of this host (did one of them die?)")
+            got += len(os.read(fd, n - got))
+
+    def wait(self) -> None:
+        if self.world == 1:
+            return
+        if self.rank == 0:
+            self._read(self._up, self.world - 1)
+            for fd in self._down:
+                os.write(fd, b"x")
+        else:
+            os.write(self._up, b"x")
+            self._read(self._down[0], 1)
+
+    def __del__(self):
+        for fd in [getattr(self, "_up", None), *getattr(self, "_down", [])]:
+            if fd is not None:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+
+
 class _SharedFile:
-    """`halves` buffers of `size` bytes in one shared-memory file mapped by every rank. The file
-    name is removed as soon as every rank has mapped it, so nothing is left behind on a crash."""
+    """`halves` buffers of `size` bytes in one shared-memory file mapped by every rank, and a
+    barrier over pipes. The names are removed as soon as every rank has opened them, so nothing
+    is left behind on a crash."""
 
     def __init__(self, size: int, halves: int):
         self.size = size
@@ -119,29 +183,34 @@ class _SharedFile:
         box = [path]
         dist.broadcast_object_list(box, src=0)
         path = box[0]
+        barrier = None
         try:
             with open(path, "r+b") as f:
                 self._map = mmap.mmap(f.fileno(), halves * size)
+            barrier = _PipeBarrier(path)
         finally:
-            dist.barrier()  # everyone has mapped it: the name can go (the mapping stays)
+            dist.barrier()  # everyone has opened them: the names can go (the mappings stay)
             if dist.get_rank() == 0:
-                os.unlink(path)
+                for name in [path, *(barrier.paths if barrier else [])]:
+                    if os.path.exists(name):
+                        os.unlink(name)
         self.buffer = torch.frombuffer(self._map, dtype=torch.uint8)
-        self._flag = torch.zeros(1)
+        self._barrier = barrier
 
     def view(self, half: int, region: _Region) -> torch.Tensor:
         start = half * self.size + region.offset
         return self.buffer[start:start + region.nbytes].view(region.dtype).view(region.shape)
 
     def collective(self) -> None:
-        """Every rank reached this point (gloo's all_reduce is cheaper than its barrier, and the
-        socket round trip orders the writes before it ahead of any read after it)."""
-        dist.all_reduce(self._flag)
+        """Every rank of the host reached this point; writes before it are visible after it."""
+        self._barrier.wait()
 
 
 class WeightSync:
     """Moves a trainer model's current weights into an engine. Build once per run, on every rank
-    of the model's process groups (construction and calls are collectives)."""
+    of the model's process groups (construction and calls are collectives), after the model is
+    parallelized and any checkpoint loaded in place: the parameter objects are kept, so a model
+    whose parameters are replaced (e.g. `load_state_dict(assign=True)`) needs a new WeightSync."""
 
     def __init__(self, model, transport: str = "auto", bucket_mb: float = 512,
                  dtype: torch.dtype | None = None, share: bool = True):
@@ -151,17 +220,23 @@ class WeightSync:
         self.model, self.dtype, self.share = model, dtype, share
         self.bucket_bytes = int(bucket_mb * 2**20)
         self._shm_free = 0
+        # The parameter objects, fetched once (FSDP2 keeps its sharded parameters for the whole
+        # run and updates them in place; a state_dict() call costs as much as syncing 1M params).
+        self._params = _state(model)
         self.transport = self._choose(transport)
-        self.mode = None  # shm only: "shared" or "buckets", chosen on the first sync
+        # chosen on the first sync: "aliased" (local, the engine uses the trainer's tensors),
+        # "shared" / "buckets" (shm); None = streamed copies
+        self.mode = None
         self._regions: list[_Region] | None = None
         self._file: _SharedFile | None = None
         self._views: list[list[torch.Tensor]] = []
         self._used = 0  # buckets written so far: selects the half to write next
         self._shared_with = None  # the engine using the shared weights
+        self._share_key = None
         logger.info("weight sync transport: %s", self.transport)
 
     def _choose(self, transport: str) -> str:
-        tensors = list(_state(self.model).values())
+        tensors = list(self._params.values())
         sizes = [-(-t.numel() * self._dtype_of(t).itemsize // _ALIGN) * _ALIGN for t in tensors]
         self.model_bytes = sum(sizes)
         # A bucket never needs more than the whole model, and must hold the largest tensor.
@@ -208,7 +283,7 @@ class WeightSync:
 
     # ------------------------------------------------------------------ local / gather
     def _stream_local(self) -> Iterator[tuple[str, torch.Tensor]]:
-        for name, tensor in _state(self.model).items():
+        for name, tensor in self._params.items():
             yield name, _cast(_local(tensor), self.dtype)
 
     # ------------------------------------------------------------------ shared memory
@@ -231,14 +306,19 @@ class WeightSync:
         self._file = _SharedFile(size, 1 if shared else 2)
         # views made once: per sync only the copies remain
         self._views = [[self._file.view(h, r) for r in self._regions] for h in range(1 if shared else 2)]
+        self._targets = [[v[r.index] if r.index is not None else None for v, r in zip(views, self._regions)]
+                         for views in self._views]
 
     def _write(self, state: dict, half: int, members) -> None:
-        views = self._views[half]
+        """This rank's shards of `members` into their regions, as one foreach copy (the slices
+        of the shared file are made once)."""
+        dsts = self._targets[half]
+        members = [i for i in members if dsts[i] is not None]
+        if not members:  # e.g. a data-parallel replica: another rank writes these
+            return
         with torch.no_grad():
-            for i in members:
-                r = self._regions[i]
-                if r.index is not None:
-                    views[i][r.index].copy_(_local(state[r.name]))
+            torch._foreach_copy_([dsts[i] for i in members],
+                                 [_raw_local(state[self._regions[i].name]) for i in members])
 
     def _stream_buckets(self, state: dict) -> Iterator[tuple[str, torch.Tensor]]:
         """Double buffering: writing bucket k+1 only needs every rank to be done reading bucket
@@ -255,10 +335,9 @@ class WeightSync:
                 yield self._regions[i].name, self._views[half][i]
 
     def _state_for_shm(self, shared: bool) -> dict:
-        state = _state(self.model)
-        if self._regions is None or [r.name for r in self._regions] != list(state):
-            self._setup_shm(state, shared)
-        return state
+        if self._regions is None:
+            self._setup_shm(self._params, shared)
+        return self._params
 
     def stream(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, full tensor) of every weight, for engines that copy; consume it completely
@@ -285,23 +364,47 @@ class WeightSync:
         self._file.collective()  # every engine is idle: nobody reads while the weights change
         self._write(state, 0, range(len(self._regions)))
         self._file.collective()  # every shard is written
-        if engine is None:
-            return
-        if self._shared_with is not engine:
-            engine.share_weights((r.name, v) for r, v in zip(self._regions, self._views[0]))
-            self._shared_with = engine
-        else:
+        if engine is not None:
+            self._share(engine, [(r.name, v) for r, v in zip(self._regions, self._views[0])], None)
+
+    def _share(self, engine, named: list, key) -> None:
+        """Hand `engine` the tensors it must use as weights, unless it already uses them (`key`
+        identifies the storage for aliased trainer tensors)."""
+        if self._shared_with is engine and engine.weights_shared() and key == self._share_key:
             engine.weights_changed()
+        else:
+            engine.share_weights(named)
+            self._shared_with, self._share_key = engine, key
+
+    def _can_alias(self, engine) -> bool:
+        """One rank, engine sharing this process's CPU memory, no dtype cast: the engine can use
+        the trainer's shard storage itself."""
+        if self.transport != "local" or engine is None or not self.share or not engine.can_share_weights():
+            return False
+        return all(t.device.type == "cpu" and self._dtype_of(t) == t.dtype for t in self._params.values())
+
+    def _sync_aliased(self, engine) -> int:
+        """The optimizer updates the shards in place, so the engine already holds the new values:
+        a sync only announces them. The storage is checked each time (a reloaded checkpoint may
+        have replaced it) and shared again if it moved."""
+        local = [(n, _raw_local(t)) for n, t in self._params.items()]
+        key = [t.data_ptr() for _, t in local]
+        self._share(engine, [(n, t.detach()) for n, t in local], key)
+        return sum(t.numel() * t.element_size() for _, t in local)
 
     def __call__(self, engine) -> dict:
         """Bring `engine` up to the current weights (None on ranks that hold no engine; they still
         take part). Returns timing metrics."""
         start = time.perf_counter()
         if self.transport == "shm" and self.mode is None and self._choose_mode(engine):
-            self._setup_shm(_state(self.model), shared=True)
+            self._setup_shm(self._params, shared=True)
         if engine is not None:
             engine.resume_memory(["weights"])
-        if self.mode == "shared":
+        if self.mode is None and self._can_alias(engine):
+            self.mode = "aliased"
+        if self.mode == "aliased":
+            n_bytes = self._sync_aliased(engine) if engine is not None else 0
+        elif self.mode == "shared":
             self._sync_shared(engine)
             n_bytes = sum(r.nbytes for r in self._regions)
         else:

@@ -123,7 +123,8 @@ def test_batch_kv_matches_naive_reference():
     from RL2.rollout.kv_cache import BatchKV
     rng = random.Random(0)
     kv, ref, mask = BatchKV(), None, None   # ref: [B, 1, W, 1] naive cache, mask [B, W]
-    for step in range(200):
+    most_rows = most_cols = 0
+    for step in range(400):
         op = rng.random()
         if ref is None or op < 0.2:
             r, w = rng.randint(1, 3), rng.randint(1, 12)
@@ -132,7 +133,8 @@ def test_batch_kv_matches_naive_reference():
             for i in range(r):
                 m[i, rng.randint(0, w - 1):] = 1
             x = x * m[:, None, :, None]
-            kv.add([x], [2 * x])  # values = 2 * keys (exact in float)
+            room = rng.randint(0, 8)
+            kv.add([x], [2 * x], room=room)  # values = 2 * keys (exact in float)
             if ref is None:
                 ref, mask = x, m
             else:
@@ -162,6 +164,10 @@ def test_batch_kv_matches_naive_reference():
         assert live_k.shape == ref.shape
         assert torch.equal(live_k * m, ref * m) and torch.equal(live_v * m, 2 * ref * m)
         assert torch.isfinite(live_k).all() and torch.isfinite(live_v).all()
+        # buffers stay proportional to the live batch (reallocations for columns keep the rows)
+        most_rows, most_cols = max(most_rows, kv.rows), max(most_cols, kv.end - kv.start + 8)
+        assert kv.k[0].shape[0] <= 2 * most_rows, (step, kv.k[0].shape, most_rows)
+        assert kv.k[0].shape[2] <= 4 * most_cols + 16, (step, kv.k[0].shape, most_cols)
 
 
 @pytest.mark.parametrize("params", [

@@ -54,8 +54,9 @@ class BatchKV:
             len_cap = max(len_cap, need_left + room + 16)
             # spare columns: a quarter on the left for later, longer prompts; the rest on the right
             left = need_left - width + (len_cap - need_left - room) // 4
-            rows = self.rows + r if row_cap == 0 else max(self.rows + r, 2 * row_cap)
-            self._realloc(max(rows, row_cap), len_cap, left)
+            # rows grow by doubling, and only when they are what ran out
+            rows = row_cap if self.rows + r <= row_cap else max(self.rows + r, 2 * row_cap)
+            self._realloc(rows, len_cap, left)
         for bufs, new in ((self.k, keys), (self.v, values)):
             for buf, x in zip(bufs, new):
                 buf[self.rows:self.rows + r, :, self.end - w:self.end] = x

@@ -52,8 +52,8 @@ from RL2.rollout.kv_cache import BatchKV
 
 logger = logging.getLogger(__name__)
 
-GREEDY_BELOW = 1e-6
-ROOM_CAP = 1024  # decode columns reserved up front when rows join the batch  # temperatures below this decode greedily (as SGLang does), log-probs at T=1
+GREEDY_BELOW = 1e-6  # temperatures below this decode greedily (as SGLang does), log-probs at T=1
+ROOM_CAP = 1024  # decode columns reserved up front when rows join the batch
 
 
 @dataclass(eq=False)

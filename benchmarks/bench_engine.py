@@ -2,7 +2,10 @@
 
     python benchmarks/bench_engine.py [--hidden 128 --layers 4 --vocab 1024 --repeats 3]
 
-(a) one batch: many mixed-length prompts submitted at once (HF: one left-padded generate call).
+(a) one batch: many mixed-length prompts submitted at once (HF: one left-padded generate call),
+    every response max_new_tokens long (the same padded work for both).
+(a') the same prompts, each response with its own length (as when eos comes at different points):
+    HF generate runs the batch to the longest response, the engine evicts finished rows.
 (b) multi-turn, staggered: agents start at different times; each turn generates a response of its
     own length, then an "environment" sleeps a few ms and appends observation tokens. HF baseline:
     static batching (every request waiting at that moment goes into one generate call, run to the
@@ -59,6 +62,24 @@ def bench_one_batch(model, engine, args):
         engine.clear_prefix_cache()
         params = SamplingParams(temperature=0, max_new_tokens=new)
         await asyncio.gather(*[engine.generate(p, params) for p in prompts])
+    return tokens, run_hf, lambda: asyncio.run(run_engine())
+
+
+def bench_one_batch_mixed_responses(model, engine, args):
+    """(a) with a response length of its own per prompt (8..max_new_tokens), as when responses
+    end with eos at different points: HF generate runs the batch to the longest one."""
+    prompts, new = one_batch_workload(args, random.Random(0))
+    rng = random.Random(2)
+    lengths = [rng.randint(8, new) for _ in prompts]
+    tokens = sum(lengths)
+
+    def run_hf():
+        hf_generate(model, prompts, max(lengths))
+
+    async def run_engine():
+        engine.clear_prefix_cache()
+        await asyncio.gather(*[engine.generate(p, SamplingParams(temperature=0, max_new_tokens=n))
+                               for p, n in zip(prompts, lengths)])
     return tokens, run_hf, lambda: asyncio.run(run_engine())
 
 
@@ -161,16 +182,18 @@ def main():
     model = build_model(args)
     engine = TorchEngine(model, None)
     rows = []
-    workloads = [("(a) one batch", bench_one_batch), ("(b) multi-turn staggered", bench_multi_turn)]
+    workloads = [("(a) one batch", bench_one_batch),
+                 ("(a') one batch, mixed responses", bench_one_batch_mixed_responses),
+                 ("(b) multi-turn staggered", bench_multi_turn)]
     for name, bench in workloads:
         tokens, run_hf, run_engine = bench(model, engine, args)
         t_hf, t_engine = timed([run_hf, run_engine], args.repeats)
         rows.append((name, tokens, tokens / t_engine, tokens / t_hf))
     print(f"model: hidden {args.hidden}, layers {args.layers}, vocab {args.vocab}; "
           f"threads {args.threads}; median of {args.repeats}")
-    print(f"{'workload':<26}{'tokens':>8}{'engine tok/s':>14}{'HF tok/s':>12}{'engine/HF':>11}")
+    print(f"{'workload':<34}{'tokens':>8}{'engine tok/s':>14}{'HF tok/s':>12}{'engine/HF':>11}")
     for name, tokens, eng, hf in rows:
-        print(f"{name:<26}{tokens:>8}{eng:>14.0f}{hf:>12.0f}{eng / hf:>11.2f}")
+        print(f"{name:<34}{tokens:>8}{eng:>14.0f}{hf:>12.0f}{eng / hf:>11.2f}")
 
 
 if __name__ == "__main__":

@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tests.dist_utils import free_port
 
 
@@ -36,3 +38,12 @@ def assert_close(a, b, rtol, what, atol=0.0):
     assert len(a) == len(b), (what, a, b)
     for x, y in zip(a, b):
         assert math.isclose(x, y, rel_tol=rtol, abs_tol=atol), f"{what}: {a} vs {b}"
+
+
+def parallel_cases(layouts) -> list:
+    """(layout, dtype, rtol) cases of a parallel == serial test: float64 over every layout (tight:
+    catches real bugs), float32 on one 2-rank (fast set) and one 4-rank layout (slow)."""
+    slow = [("ddp2xfsdp2", "float32", 1e-5)] + [(name, "float64", 1e-9) for name in layouts]
+    return [pytest.param("fsdp2", "float32", 1e-5, id="fsdp2-float32")] + [
+        pytest.param(name, dtype, rtol, id=f"{name}-{dtype}", marks=pytest.mark.slow)
+        for name, dtype, rtol in slow]

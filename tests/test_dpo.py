@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from tests.run_utils import assert_close, read_metrics, run_trainer, train_rows
+from tests.run_utils import assert_close, parallel_cases, read_metrics, run_trainer, train_rows
 from tests.test_rm import bad_rows_file, serial_runs
 
 SFT_COEF = 0.1
@@ -78,10 +78,7 @@ LAYOUTS = {
     "tp2xfsdp2": (4, ["actor.tp_size=2", "actor.max_length_per_device=40"]),
     "tp2xsp2": (4, ["actor.tp_size=2", "actor.sp_size=2", "actor.max_length_per_device=24"]),
 }
-# float64 over every layout (tight: catches real bugs), float32 on one 2- and one 4-rank layout.
-CASES = [pytest.param("fsdp2", "float32", 1e-5, id="fsdp2-float32")] + [
-    pytest.param(layout, dtype, rtol, id=f"{layout}-{dtype}", marks=pytest.mark.slow)
-    for layout, dtype, rtol in [("ddp2xfsdp2", "float32", 1e-5)] + [(lay, "float64", 1e-9) for lay in LAYOUTS]]
+CASES = parallel_cases(LAYOUTS)
 KEYS = ("train/loss", "train/dpo_loss", "train/sft_loss", "train/rewards/margin", "train/grad_norm",
         "test/loss", "test/rewards/margin")
 

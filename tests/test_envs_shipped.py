@@ -6,36 +6,13 @@ from pathlib import Path
 
 import pytest
 
-from RL2.rollout.engine import Engine, GenerationOutput, SamplingParams
+from RL2.rollout.engine import SamplingParams
 from RL2.rollout.env import EnvError, load_env
 from RL2.rollout.trajectory import run_trajectory
 from RL2.tools.make_assets import build_tokenizer
+from tests.fakes import ScriptedEngine
 
 ENVS = Path(__file__).resolve().parents[1] / "envs"
-
-
-class ScriptedEngine(Engine):
-    """Returns the tokenisation of scripted texts, one per generate call."""
-
-    def __init__(self, tokenizer, texts):
-        self.tokenizer, self.texts, self.calls = tokenizer, list(texts), []
-
-    async def generate(self, prompt_ids, params):
-        self.calls.append(list(prompt_ids))
-        ids = self.tokenizer.encode(self.texts[len(self.calls) - 1], add_special_tokens=False)
-        return [GenerationOutput(ids, [-0.5] * len(ids), "stop")]
-
-    def update_weights(self, named_tensors):
-        pass
-
-    def release_memory(self):
-        pass
-
-    def resume_memory(self):
-        pass
-
-    def shutdown(self):
-        pass
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests.dist_utils import run_dist
-from tests.run_utils import assert_close, read_metrics, run_trainer, train_rows
+from tests.run_utils import assert_close, parallel_cases, read_metrics, run_trainer, train_rows
 
 
 def rm_args(assets, *extra):
@@ -73,10 +73,7 @@ LAYOUTS = {
     "dp2xsp2": (4, ["actor.sp_size=2", "actor.max_length_per_device=64"]),
     "tp2": (2, ["actor.tp_size=2", "actor.max_length_per_device=40"]),
 }
-# float64 over every layout (tight: catches real bugs), float32 on one 2- and one 4-rank layout.
-CASES = [pytest.param("fsdp2", "float32", 1e-5, id="fsdp2-float32")] + [
-    pytest.param(layout, dtype, rtol, id=f"{layout}-{dtype}", marks=pytest.mark.slow)
-    for layout, dtype, rtol in [("ddp2xfsdp2", "float32", 1e-5)] + [(lay, "float64", 1e-9) for lay in LAYOUTS]]
+CASES = parallel_cases(LAYOUTS)
 KEYS = ("train/loss", "train/accuracy", "train/margin", "train/grad_norm", "test/loss", "test/margin")
 
 

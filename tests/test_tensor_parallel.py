@@ -201,21 +201,28 @@ def test_validate_tp_architecture_and_vocab():
     assert validate_tp(_config(vocab=101), 2) is False  # replicated lm_head fallback
 
 
+@pytest.mark.parametrize("temperature", [0.7, 1.0])  # T == 1 skips the scaling
 @pytest.mark.parametrize("chunk", [1 << 24, 7])  # 7 elements: one token per chunk
-def test_logps_and_entropy_plain_tensor(monkeypatch, chunk):
+def test_logps_and_entropy_plain_tensor(monkeypatch, chunk, temperature):
     monkeypatch.setattr(tpmod, "_CHUNK_ELEMENTS", chunk)
     torch.manual_seed(0)
     logits = (3 * torch.randn(2, 5, 11, dtype=torch.float64)).requires_grad_()
     labels = torch.randint(0, 11, (2, 5))
-    lp, ent = logps_and_entropy(logits, labels, temperature=0.7, need_entropy=True)
-    lp_ref, ent_ref = _ref_logps_entropy(logits / 0.7, labels)
+    lp, ent = logps_and_entropy(logits, labels, temperature=temperature, need_entropy=True)
+    lp_ref, ent_ref = _ref_logps_entropy(logits / temperature, labels)
     torch.testing.assert_close(lp, lp_ref, rtol=0, atol=1e-12)
     torch.testing.assert_close(ent, ent_ref, rtol=0, atol=1e-12)
-    lp_only, none = logps_and_entropy(logits, labels)
+    lp_only, none = logps_and_entropy(logits, labels, temperature)
     assert none is None and lp_only.shape == (2, 5)
+    torch.testing.assert_close(lp_only, lp_ref, rtol=0, atol=1e-12)
+    before = logits.detach().clone()
     torch.autograd.gradcheck(
-        lambda x: logps_and_entropy(x, labels, 0.7, need_entropy=True), (logits,))
-    torch.autograd.gradcheck(lambda x: logps_and_entropy(x, labels)[0], (logits,))
+        lambda x: logps_and_entropy(x, labels, temperature, need_entropy=True), (logits,))
+    torch.autograd.gradcheck(lambda x: logps_and_entropy(x, labels, temperature)[0], (logits,))
+    # only the entropy's gradient (the logps output unused)
+    torch.autograd.gradcheck(
+        lambda x: logps_and_entropy(x, labels, temperature, need_entropy=True)[1], (logits,))
+    assert torch.equal(logits.detach(), before)  # the backward works on copies, never the logits
 
 
 def test_grad_norm_and_clip_plain_matches_torch():

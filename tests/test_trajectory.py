@@ -6,36 +6,11 @@ import time
 
 import pytest
 
-from RL2.rollout.engine import Engine, GenerationOutput, SamplingParams
+from RL2.rollout.engine import SamplingParams
 from RL2.rollout.env import load_env
 from RL2.rollout.trajectory import run_trajectory
 from RL2.tools.make_assets import build_tokenizer
-
-
-class ScriptedEngine(Engine):
-    """Returns the tokenisation of scripted texts, one per call; logprob of token i of call k is
-    -(k+1) - 0.01*i so that tests can tell which call and position each logprob came from."""
-
-    def __init__(self, tokenizer, texts):
-        self.tokenizer, self.texts, self.calls = tokenizer, list(texts), []
-
-    async def generate(self, prompt_ids, params):
-        k = len(self.calls)
-        self.calls.append((list(prompt_ids), params))
-        ids = self.tokenizer.encode(self.texts[k], add_special_tokens=False)
-        return [GenerationOutput(ids, [-(k + 1) - 0.01 * i for i in range(len(ids))], "stop")]
-
-    def update_weights(self, named_tensors):
-        pass
-
-    def release_memory(self):
-        pass
-
-    def resume_memory(self):
-        pass
-
-    def shutdown(self):
-        pass
+from tests.fakes import ScriptedEngine
 
 
 @pytest.fixture(scope="module")

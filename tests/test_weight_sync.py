@@ -8,6 +8,13 @@ import torch
 from tests.dist_utils import run_dist
 
 TEMPERATURE = 0.7
+LAYOUTS = pytest.mark.parametrize("world,layout", [
+    (1, []),
+    (2, []),
+    (2, ["actor.tp_size=2"]),
+    (2, ["actor.sp_size=2"]),
+    (4, ["actor.ddp_size=2", "actor.tp_size=2"]),
+], ids=["single", "fsdp2", "tp2", "sp2", "ddp2xtp2"])
 
 
 def _sync_and_compare(rank, world, model_dir, data_path, layout):
@@ -58,13 +65,7 @@ def _sync_and_compare(rank, world, model_dir, data_path, layout):
     return {"changed": changed, "max_err": max_err, "bytes": metrics["sync_bytes"]}
 
 
-@pytest.mark.parametrize("world,layout", [
-    (1, []),
-    (2, []),
-    (2, ["actor.tp_size=2"]),
-    (2, ["actor.sp_size=2"]),
-    (4, ["actor.ddp_size=2", "actor.tp_size=2"]),
-], ids=["single", "fsdp2", "tp2", "sp2", "ddp2xtp2"])
+@LAYOUTS
 def test_engine_logps_match_trainer_after_sync(assets, world, layout):
     results = run_dist(_sync_and_compare, world, assets["model"],
                        f"{assets['data']}/sft_train.jsonl", layout)
@@ -125,13 +126,7 @@ def _transports_agree(rank, world, model_dir, data_path, layout):
     return report
 
 
-@pytest.mark.parametrize("world,layout", [
-    (1, []),
-    (2, []),
-    (2, ["actor.tp_size=2"]),
-    (2, ["actor.sp_size=2"]),
-    (4, ["actor.ddp_size=2", "actor.tp_size=2"]),
-], ids=["single", "fsdp2", "tp2", "sp2", "ddp2xtp2"])
+@LAYOUTS
 def test_weight_sync_transports_agree(assets, world, layout):
     results = run_dist(_transports_agree, world, assets["model"],
                        f"{assets['data']}/sft_train.jsonl", layout)

@@ -162,12 +162,16 @@ def _vocab_shard_group(logits: DTensor):
 class _VocabParallelLogps(torch.autograd.Function):
     """Exact log-softmax statistics over a vocab split across ranks, with an analytic backward.
 
-    Forward (per token chunk, z = local logits / T): local max -> all-reduce MAX; then
-    [sum exp(z - m), z[label] (0 if another rank owns it), sum exp(z - m) * z] -> all-reduce SUM.
+    Forward, per token chunk of z = local logits / T (no division when T == 1): the local
+    log-sum-exp l_r (one fused pass), the label logit (0 if another rank owns it) and, for the
+    entropy, the local mean E_r[z]. Two all-reduces combine them: M = max_r l_r, then
+    [sum_r exp(l_r - M), label logit, sum_r exp(l_r - M) * E_r[z]], so lse = M + log(S0) and
+    E[z] = S2 / S0.
     Backward needs no communication: with p = exp(z - lse), E[z] = lse - H,
-      dlogp/dz = onehot - p,  dH/dz = p * (E[z] - z).
-    The outputs are identical on all ranks and every rank computes the same loss from them, so
-    each rank's upstream gradient is already the full one (the all-reduce's backward is identity).
+      dlogp/dz = onehot - p,  dH/dz = p * (E[z] - z),
+    computed in place on one chunk-sized buffer. The outputs are identical on all ranks and every
+    rank computes the same loss from them, so each rank's upstream gradient is already the full
+    one (the all-reduce's backward is identity).
     """
 
     @staticmethod
@@ -175,30 +179,35 @@ class _VocabParallelLogps(torch.autograd.Function):
         n_tok, v_local = local.shape
         dtype = torch.promote_types(local.dtype, torch.float32)
         rows = max(1, _CHUNK_ELEMENTS // max(v_local, 1))
+        scale = None if temperature == 1.0 else 1.0 / temperature
         in_shard = (labels >= vocab_start) & (labels < vocab_start + v_local)
         local_idx = torch.where(in_shard, labels - vocab_start, 0)
 
-        maxes = torch.empty(n_tok, dtype=dtype, device=local.device)
-        for s in range(0, n_tok, rows):
-            maxes[s:s + rows] = (local[s:s + rows].to(dtype) / temperature).amax(-1)
-        _all_reduce(maxes, dist.ReduceOp.MAX, group)
-
+        local_lse = torch.empty(n_tok, dtype=dtype, device=local.device)
         sums = torch.empty(3 if need_entropy else 2, n_tok, dtype=dtype, device=local.device)
         for s in range(0, n_tok, rows):
-            z = local[s:s + rows].to(dtype) / temperature
-            e = torch.exp(z - maxes[s:s + rows, None])
-            sums[0, s:s + rows] = e.sum(-1)
-            label_z = z.gather(-1, local_idx[s:s + rows, None]).squeeze(-1)
-            sums[1, s:s + rows] = torch.where(in_shard[s:s + rows], label_z, 0)
-            if need_entropy:
-                sums[2, s:s + rows] = (e * z).sum(-1)
+            sl = slice(s, s + rows)
+            z = local[sl].to(dtype)
+            if scale is not None:
+                z = z * scale
+            local_lse[sl] = torch.logsumexp(z, -1)
+            label_z = z.gather(-1, local_idx[sl, None]).squeeze(-1)
+            sums[1, sl] = torch.where(in_shard[sl], label_z, 0)
+            if need_entropy:  # local E[z] = sum softmax(z) * z
+                p = (z - local_lse[sl, None]).exp_()
+                sums[2, sl] = (p * z).sum(-1)
+        group_max = local_lse.clone()
+        _all_reduce(group_max, dist.ReduceOp.MAX, group)
+        sums[0] = (local_lse - group_max).exp()
+        if need_entropy:
+            sums[2] *= sums[0]
         _all_reduce(sums, dist.ReduceOp.SUM, group)
 
-        lse = maxes + sums[0].log()
+        lse = group_max + sums[0].log()
         logps = sums[1] - lse
         entropy = lse - sums[2] / sums[0] if need_entropy else torch.zeros_like(lse)
         ctx.save_for_backward(local, local_idx, in_shard, lse, entropy)
-        ctx.temperature, ctx.rows, ctx.need_entropy = temperature, rows, need_entropy
+        ctx.scale, ctx.rows, ctx.need_entropy = scale, rows, need_entropy
         if not need_entropy:
             ctx.mark_non_differentiable(entropy)
         return logps, entropy
@@ -206,7 +215,7 @@ class _VocabParallelLogps(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_logps, grad_entropy):
         local, local_idx, in_shard, lse, entropy = ctx.saved_tensors
-        t, rows = ctx.temperature, ctx.rows
+        scale, rows = ctx.scale, ctx.rows
         dtype = lse.dtype
         grad = torch.empty_like(local)
         use_entropy = ctx.need_entropy and grad_entropy is not None
@@ -214,13 +223,21 @@ class _VocabParallelLogps(torch.autograd.Function):
         mean_z = lse - entropy
         for s in range(0, local.shape[0], rows):
             sl = slice(s, s + rows)
-            z = local[sl].to(dtype) / t
-            p = torch.exp(z - lse[sl, None])
-            g = -g_lp[sl, None] * p
+            g = local[sl].to(dtype, copy=True)  # z; then p; then the gradient, in place
+            if scale is not None:
+                g.mul_(scale)
+            if use_entropy:
+                h = (mean_z[sl, None] - g).mul_(grad_entropy[sl, None])
+            g.sub_(lse[sl, None]).exp_()
+            if use_entropy:
+                h.mul_(g)  # p * (E[z] - z) * dL/dH
+            g.mul_(-g_lp[sl, None])
             g.scatter_add_(-1, local_idx[sl, None], (g_lp[sl] * in_shard[sl])[:, None])
             if use_entropy:
-                g += grad_entropy[sl, None] * p * (mean_z[sl, None] - z)
-            grad[sl] = (g / t).to(local.dtype)
+                g.add_(h)
+            if scale is not None:
+                g.mul_(scale)
+            grad[sl] = g
         return grad, None, None, None, None, None
 
 

@@ -14,6 +14,7 @@ from RL2.data.io import load_rows, split_train_test
 from RL2.data.loader import StepSampler
 from RL2.parallel.mesh import init_distributed
 from RL2.utils import checkpoint
+from RL2.utils.config import load_config
 from RL2.utils.logging import MetricLogger, is_rank0, setup_logging
 
 logger = logging.getLogger("RL2")
@@ -165,6 +166,13 @@ class Trainer:
                 metrics_log.log(final_eval, self.step, advance=False)
         metrics_log.close()
         self.save_final()
+
+    @classmethod
+    def launch(cls, config_name: str) -> None:
+        """`torchrun -m RL2.trainer.<config_name> key=value ...`: build, train, close."""
+        trainer = cls(load_config(config_name))
+        trainer.fit(trainer.n_steps)
+        trainer.close()
 
     def close(self):
         if dist.is_initialized():

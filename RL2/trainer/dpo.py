@@ -12,7 +12,6 @@ from omegaconf import OmegaConf
 
 from RL2.trainer.base import Trainer
 from RL2.trainer.rm import check_pair_lengths, evaluate_in_chunks, load_pairs
-from RL2.utils.config import load_config
 from RL2.workers.actor import Actor, flatten_pairs
 
 
@@ -59,9 +58,7 @@ class DPOTrainer(Trainer):
 
 
 def main():
-    trainer = DPOTrainer(load_config("dpo"))
-    trainer.fit(trainer.n_steps)
-    trainer.close()
+    DPOTrainer.launch("dpo")
 
 
 if __name__ == "__main__":

@@ -22,7 +22,6 @@ from RL2.rollout.env import EnvError, load_env
 from RL2.rollout.rollout import Rollout
 from RL2.rollout.weight_sync import TRANSPORTS
 from RL2.trainer.base import Trainer
-from RL2.utils.config import load_config
 from RL2.workers.actor import Actor
 from RL2.workers.ppo_update import actor_update, compute_advantages, critic_update, engine_kl
 
@@ -216,9 +215,7 @@ class PPOTrainer(Trainer):
 
 
 def main():
-    trainer = PPOTrainer(load_config("ppo"))
-    trainer.fit(trainer.n_steps)
-    trainer.close()
+    PPOTrainer.launch("ppo")
 
 
 if __name__ == "__main__":

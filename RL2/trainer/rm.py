@@ -12,7 +12,6 @@ from RL2.data.formats import tokenize_pair
 from RL2.data.loader import eval_batches
 from RL2.data.packing import padded_length
 from RL2.trainer.base import Trainer
-from RL2.utils.config import load_config
 from RL2.workers.critic import Critic
 
 
@@ -79,9 +78,7 @@ def evaluate_in_chunks(n_pairs: int, batch_size: int, eval_fn) -> dict:
 
 
 def main():
-    trainer = RMTrainer(load_config("rm"))
-    trainer.fit(trainer.n_steps)
-    trainer.close()
+    RMTrainer.launch("rm")
 
 
 if __name__ == "__main__":

@@ -6,7 +6,6 @@ from functools import partial
 
 from RL2.data.formats import tokenize_sft
 from RL2.trainer.base import Trainer
-from RL2.utils.config import load_config
 from RL2.workers.actor import Actor
 
 
@@ -44,9 +43,7 @@ class SFTTrainer(Trainer):
 
 
 def main():
-    trainer = SFTTrainer(load_config("sft"))
-    trainer.fit(trainer.n_steps)
-    trainer.close()
+    SFTTrainer.launch("sft")
 
 
 if __name__ == "__main__":

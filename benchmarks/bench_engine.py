@@ -1,6 +1,7 @@
 """Generated tokens/s of the embedded TorchEngine vs HF `generate` on a tiny random Qwen2.
 
     python benchmarks/bench_engine.py [--hidden 128 --layers 4 --vocab 1024 --repeats 3]
+    python benchmarks/bench_engine.py --model assets/smollm2-135m   # a real model (RL2.tools.smollm2)
 
 (a) one batch: many mixed-length prompts submitted at once (HF: one left-padded generate call),
     every response max_new_tokens long (the same padded work for both).
@@ -26,6 +27,12 @@ from RL2.rollout.torch_engine import TorchEngine
 
 
 def build_model(args):
+    if args.model:  # a real checkpoint, e.g. SmolLM2-135M from `python -m RL2.tools.smollm2`
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
+        args.vocab = model.config.vocab_size
+        return model
     torch.manual_seed(0)
     cfg = Qwen2Config(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=2 * args.hidden,
                       num_hidden_layers=args.layers, num_attention_heads=4, num_key_value_heads=2,
@@ -168,6 +175,8 @@ def timed(fns, repeats):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None,
+                        help="HF model directory (random prompt ids over its vocab) instead of a random Qwen2")
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--vocab", type=int, default=1024)
@@ -189,7 +198,9 @@ def main():
         tokens, run_hf, run_engine = bench(model, engine, args)
         t_hf, t_engine = timed([run_hf, run_engine], args.repeats)
         rows.append((name, tokens, tokens / t_engine, tokens / t_hf))
-    print(f"model: hidden {args.hidden}, layers {args.layers}, vocab {args.vocab}; "
+    cfg = model.config
+    name = f"{args.model} ({cfg.model_type}), " if args.model else ""
+    print(f"model: {name}hidden {cfg.hidden_size}, layers {cfg.num_hidden_layers}, vocab {cfg.vocab_size}; "
           f"threads {args.threads}; median of {args.repeats}")
     print(f"{'workload':<34}{'tokens':>8}{'engine tok/s':>14}{'HF tok/s':>12}{'engine/HF':>11}")
     for name, tokens, eng, hf in rows:

@@ -420,3 +420,39 @@ def test_fast_decode_declines_other_architectures():
     gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=2)).eval()
     assert not fast_decode.supports(gpt2)
     assert not TorchEngine(gpt2, None).fast_decode
+
+
+def test_weight_sharing_is_all_or_nothing_and_never_writes_the_owner():
+    """A one-rank WeightSync aliases only matching tensors; a mismatch shares nothing; writing
+    into a sharing engine first gives it its own copy of every parameter and buffer."""
+    from RL2.rollout.weight_sync import WeightSync
+
+    owner = tiny_model(seed=1)
+    engine = TorchEngine(tiny_model(seed=2), None)
+    bad = [(n, t.double()) if i == 3 else (n, t) for i, (n, t) in enumerate(owner.state_dict().items())]
+    assert not engine.can_share_weights(bad)
+    with pytest.raises(ValueError, match="share_weights"):
+        engine.share_weights(bad)
+    assert not engine.weights_shared()
+    assert not any(p.data_ptr() == q.data_ptr() for p, q in zip(engine.model.parameters(), owner.parameters()))
+
+    sync = WeightSync(owner)  # plain one-process model: transport "local"
+    sync(engine)
+    assert sync.mode == "aliased" and engine.weights_shared()
+    with torch.no_grad():
+        next(owner.parameters()).add_(1.0)  # an optimizer step, in place
+    sync(engine)
+    assert all(torch.equal(a, b) for a, b in zip(engine.model.state_dict().values(), owner.state_dict().values()))
+    kept = {n: t.clone() for n, t in owner.state_dict().items()}
+    engine.update_weights((n, torch.zeros_like(t)) for n, t in kept.items())
+    assert not engine.weights_shared()
+    assert all(torch.equal(t, kept[n]) for n, t in owner.state_dict().items())  # owner untouched
+
+    # A trainer in another dtype (float64 master weights) is copied, not aliased.
+    owner64 = tiny_model(seed=1).double()
+    engine2 = TorchEngine(tiny_model(seed=2), None)
+    sync64 = WeightSync(owner64)
+    sync64(engine2)
+    assert sync64.mode is None and not engine2.weights_shared()
+    assert all(torch.equal(a, b.float()) for a, b in zip(engine2.model.state_dict().values(),
+                                                         owner64.state_dict().values()))

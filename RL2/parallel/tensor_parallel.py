@@ -164,9 +164,9 @@ class _VocabParallelLogps(torch.autograd.Function):
 
     Forward, per token chunk of z = local logits / T (no division when T == 1): the local
     log-sum-exp l_r (one fused pass), the label logit (0 if another rank owns it) and, for the
-    entropy, the local mean E_r[z]. Two all-reduces combine them: M = max_r l_r, then
-    [sum_r exp(l_r - M), label logit, sum_r exp(l_r - M) * E_r[z]], so lse = M + log(S0) and
-    E[z] = S2 / S0.
+    entropy, the local entropy H_r (sums of small terms: accurate for large logits too). Two
+    all-reduces combine them: M = max_r l_r, then [sum_r exp(l_r - M), label logit,
+    sum_r exp(l_r - M) * (H_r + M - l_r)], so lse = M + log(S0) and H = S2 / S0 + log(S0).
     Backward needs no communication: with p = exp(z - lse), E[z] = lse - H,
       dlogp/dz = onehot - p,  dH/dz = p * (E[z] - z),
     computed in place on one chunk-sized buffer. The outputs are identical on all ranks and every
@@ -193,19 +193,19 @@ class _VocabParallelLogps(torch.autograd.Function):
             local_lse[sl] = torch.logsumexp(z, -1)
             label_z = z.gather(-1, local_idx[sl, None]).squeeze(-1)
             sums[1, sl] = torch.where(in_shard[sl], label_z, 0)
-            if need_entropy:  # local E[z] = sum softmax(z) * z
-                p = (z - local_lse[sl, None]).exp_()
-                sums[2, sl] = (p * z).sum(-1)
+            if need_entropy:  # local entropy H_r = -sum p (z - l_r), p = exp(z - l_r): small terms
+                d = z - local_lse[sl, None]
+                sums[2, sl] = -(d.exp() * d).sum(-1)
         group_max = local_lse.clone()
         _all_reduce(group_max, dist.ReduceOp.MAX, group)
         sums[0] = (local_lse - group_max).exp()
-        if need_entropy:
-            sums[2] *= sums[0]
+        if need_entropy:  # H = sum_r w_r (H_r + lse - l_r), w_r = exp(l_r - M) / S0
+            sums[2] = sums[0] * (sums[2] + group_max - local_lse)
         _all_reduce(sums, dist.ReduceOp.SUM, group)
 
         lse = group_max + sums[0].log()
         logps = sums[1] - lse
-        entropy = lse - sums[2] / sums[0] if need_entropy else torch.zeros_like(lse)
+        entropy = sums[2] / sums[0] + sums[0].log() if need_entropy else torch.zeros_like(lse)
         ctx.save_for_backward(local, local_idx, in_shard, lse, entropy)
         ctx.scale, ctx.rows, ctx.need_entropy = scale, rows, need_entropy
         if not need_entropy:

@@ -73,8 +73,9 @@ class Engine(ABC):
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load full (unsharded) tensors keyed by HF parameter names."""
 
-    def can_share_weights(self) -> bool:
-        """Whether `share_weights` works (weights in this process's CPU memory)."""
+    def can_share_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]] | None = None) -> bool:
+        """Whether `share_weights` works (weights in this process's CPU memory), and, given
+        (name, tensor) pairs (meta tensors do), whether it would accept exactly those."""
         return False
 
     def share_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:

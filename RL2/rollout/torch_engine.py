@@ -160,8 +160,11 @@ class TorchEngine(Engine):
         self.clear_prefix_cache()  # cached KV belongs to the old weights
         if self._weights_shared:  # never write into memory the trainer owns: own a copy first
             with torch.no_grad():
-                for p in self.model.parameters():
-                    p.data = p.data.clone()
+                done = set()
+                for t in self.model.state_dict(keep_vars=True).values():  # parameters and buffers
+                    if id(t) not in done:
+                        done.add(id(t))
+                        t.data = t.data.clone()
             self._weights_shared = False
         targets = self.model.state_dict(keep_vars=True)
         for name, tensor in named_tensors:
@@ -173,24 +176,36 @@ class TorchEngine(Engine):
                                  f"expected {tuple(target.shape)}")
             target.data.copy_(tensor)
 
-    def can_share_weights(self) -> bool:
-        return self.device.type == "cpu"
+    def can_share_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]] | None = None) -> bool:
+        if self.device.type != "cpu":
+            return False
+        return named_tensors is None or self._share_mismatch(named_tensors) is None
+
+    def _share_mismatch(self, named_tensors) -> str | None:
+        """Why these tensors cannot become the weights (None: they can)."""
+        targets = self.model.state_dict(keep_vars=True)
+        for name, tensor in named_tensors:
+            target = targets.get(name)
+            if target is None:
+                return f"unknown parameter {name!r}"
+            if tuple(target.shape) != tuple(tensor.shape) or target.dtype != tensor.dtype:
+                return (f"{name} is {tuple(tensor.shape)} {tensor.dtype}, expected "
+                        f"{tuple(target.shape)} {target.dtype}")
+        return None
 
     @torch.no_grad()
     def share_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        if not self.can_share_weights():
+        if self.device.type != "cpu":
             raise RuntimeError(f"share_weights needs the engine on the CPU, not {self.device}")
+        named = list(named_tensors)
+        problem = self._share_mismatch(named)  # all checked first: no half-shared model
+        if problem:
+            raise ValueError(f"share_weights: {problem}")
         self.clear_prefix_cache()
         targets = self.model.state_dict(keep_vars=True)
-        for name, tensor in named_tensors:
-            if name not in targets:
-                raise KeyError(f"share_weights: unknown parameter {name!r}")
-            target = targets[name]
-            if tuple(target.shape) != tuple(tensor.shape) or target.dtype != tensor.dtype:
-                raise ValueError(f"share_weights: {name} is {tuple(tensor.shape)} {tensor.dtype}, "
-                                 f"expected {tuple(target.shape)} {target.dtype}")
-            target.data = tensor  # tied weights: one parameter under two names, same values
         self._weights_shared = True
+        for name, tensor in named:
+            targets[name].data = tensor  # tied weights: one parameter under two names, same values
 
     def weights_changed(self) -> None:
         self.clear_prefix_cache()  # cached KV belongs to the old weights

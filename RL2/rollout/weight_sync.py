@@ -116,35 +116,33 @@ def _shard_index(tensor: torch.Tensor):
 
 
 class _PipeBarrier:
-    """A barrier for the ranks of one host over named pipes in /dev/shm, rank 0 the hub: a gloo
-    all_reduce of one float costs ~170 us on loopback TCP, a pipe round trip ~20 us. The kernel's
-    pipe locking orders each rank's shared-memory writes before the barrier ahead of any read
-    after it, on any CPU architecture."""
+    """A barrier for the ranks of one host over named pipes, rank 0 the hub: a gloo all_reduce
+    of one float costs ~170 us on loopback TCP, a pipe round trip ~20 us. The kernel's pipe
+    locking orders each rank's shared-memory writes before the barrier ahead of any read after
+    it, on any CPU architecture. The pipes are created by rank 0 (`paths`) before construction."""
 
     TIMEOUT = 1800.0  # seconds, torch's default process-group timeout
 
+    @staticmethod
+    def paths(prefix: str, world: int) -> list[str]:
+        return [f"{prefix}-up"] + [f"{prefix}-down{r}" for r in range(1, world)]
+
     def __init__(self, prefix: str):
-        rank, world = dist.get_rank(), dist.get_world_size()
-        self.rank, self.world = rank, world
-        paths = [f"{prefix}-up"] + [f"{prefix}-down{r}" for r in range(1, world)]
-        if rank == 0:
-            for path in paths:
-                os.mkfifo(path, 0o600)
-        dist.barrier()
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        paths = self.paths(prefix, self.world)
+        mine = paths if self.rank == 0 else [paths[0], paths[self.rank]]
+        self._fds: list[int] = []
         # O_RDWR: opening never blocks on the other end being open yet (Linux).
-        if rank == 0:
-            self._up = os.open(paths[0], os.O_RDWR)
-            self._down = [os.open(p, os.O_RDWR) for p in paths[1:]]
-        else:
-            self._up = os.open(paths[0], os.O_RDWR)
-            self._down = [os.open(paths[rank], os.O_RDWR)]
-        self.paths = paths
+        for path in mine:
+            self._fds.append(os.open(path, os.O_RDWR))
+        self._up, self._down = self._fds[0], self._fds[1:]
 
     def _read(self, fd: int, n: int) -> None:
+        poll = select.poll()  # not select(): it fails for descriptors >= 1024
+        poll.register(fd, select.POLLIN)
         got = 0
         while got < n:
-            ready, _, _ = select.select([fd], [], [], self.TIMEOUT)
-            if not ready:
+            if not poll.poll(self.TIMEOUT * 1000):
                 raise TimeoutError(f"weight sync: rank {self.rank} waited {self.TIMEOUT:.0f} s for "
                                    "the other ranks of this host (did one of them die?)")
             got += len(os.read(fd, n - got))
@@ -160,43 +158,59 @@ class _PipeBarrier:
             os.write(self._up, b"x")
             self._read(self._down[0], 1)
 
+    def close(self) -> None:
+        for fd in self._fds:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self._fds = []
+
     def __del__(self):
-        for fd in [getattr(self, "_up", None), *getattr(self, "_down", [])]:
-            if fd is not None:
-                try:
-                    os.close(fd)
-                except OSError:
-                    pass
+        self.close()
 
 
 class _SharedFile:
     """`halves` buffers of `size` bytes in one shared-memory file mapped by every rank, and a
     barrier over pipes. The names are removed as soon as every rank has opened them, so nothing
-    is left behind on a crash."""
+    is left behind on a crash; a failure on any rank fails every rank (no hang)."""
 
     def __init__(self, size: int, halves: int):
         self.size = size
-        path = None
-        if dist.get_rank() == 0:
-            path = os.path.join(SHM_DIR, f"rl2-weights-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-            with open(path, "wb") as f:
-                f.truncate(halves * size)
-        box = [path]
+        rank, world = dist.get_rank(), dist.get_world_size()
+        box = [None, None]  # [path, error creating it]
+        if rank == 0:
+            box[0] = os.path.join(SHM_DIR, f"rl2-weights-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+            try:
+                with open(box[0], "wb") as f:
+                    f.truncate(halves * size)
+                for fifo in _PipeBarrier.paths(box[0], world):
+                    os.mkfifo(fifo, 0o600)
+            except OSError as e:
+                box[1] = f"rank 0 could not create {box[0]}: {e}"
         dist.broadcast_object_list(box, src=0)
-        path = box[0]
-        barrier = None
-        try:
-            with open(path, "r+b") as f:
-                self._map = mmap.mmap(f.fileno(), halves * size)
-            barrier = _PipeBarrier(path)
-        finally:
-            dist.barrier()  # everyone has opened them: the names can go (the mappings stay)
-            if dist.get_rank() == 0:
-                for name in [path, *(barrier.paths if barrier else [])]:
-                    if os.path.exists(name):
-                        os.unlink(name)
+        path, error = box
+        self._barrier, self._map = None, None
+        if error is None:
+            try:
+                with open(path, "r+b") as f:
+                    self._map = mmap.mmap(f.fileno(), halves * size)
+                self._barrier = _PipeBarrier(path)
+            except OSError as e:
+                error = f"rank {rank} could not open {path}: {e}"
+        # one collective: everyone has opened the names (they can go) and agrees on success
+        errors = [None] * world
+        dist.all_gather_object(errors, error)
+        if rank == 0:
+            for name in [path, *_PipeBarrier.paths(path, world)]:
+                if os.path.exists(name):
+                    os.unlink(name)
+        failed = [e for e in errors if e]
+        if failed:
+            if self._barrier is not None:
+                self._barrier.close()
+            raise RuntimeError("weight sync: shared-memory setup failed: " + "; ".join(failed))
         self.buffer = torch.frombuffer(self._map, dtype=torch.uint8)
-        self._barrier = barrier
 
     def view(self, half: int, region: _Region) -> torch.Tensor:
         start = half * self.size + region.offset
@@ -355,7 +369,9 @@ class WeightSync:
 
     def _choose_mode(self, engine) -> bool:
         """Shared weights when every engine can use them and the model fits (a collective)."""
-        can = self.share and (engine is None or engine.can_share_weights())
+        layout = [(r.name, torch.empty(r.shape, dtype=r.dtype, device="meta"))
+                  for r in self._plan(self._params, self.model_bytes)]
+        can = self.share and (engine is None or engine.can_share_weights(layout))
         fits = self.model_bytes <= self._shm_free // 2  # leave room for everything else
         flag = torch.tensor([1.0 if can and fits else 0.0])
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)
@@ -381,9 +397,11 @@ class WeightSync:
     def _can_alias(self, engine) -> bool:
         """One rank, engine sharing this process's CPU memory, no dtype cast: the engine can use
         the trainer's shard storage itself."""
-        if self.transport != "local" or engine is None or not self.share or not engine.can_share_weights():
+        if self.transport != "local" or engine is None or not self.share:
             return False
-        return all(t.device.type == "cpu" and self._dtype_of(t) == t.dtype for t in self._params.values())
+        if any(t.device.type != "cpu" or self._dtype_of(t) != t.dtype for t in self._params.values()):
+            return False
+        return engine.can_share_weights([(n, _raw_local(t)) for n, t in self._params.items()])
 
     def _sync_aliased(self, engine) -> int:
         """The optimizer updates the shards in place, so the engine already holds the new values:
@@ -402,6 +420,8 @@ class WeightSync:
             self._setup_shm(self._params, shared=True)
         if engine is not None:
             engine.resume_memory(["weights"])
+        if self.mode == "aliased" and engine is not None and engine is not self._shared_with:
+            self.mode = None  # another engine: decide again
         if self.mode is None and self._can_alias(engine):
             self.mode = "aliased"
         if self.mode == "aliased":

@@ -137,3 +137,41 @@ def test_weight_sync_transports_agree(assets, world, layout):
         assert r["unshared_ok"], r
         if world > 1:
             assert r["buckets"] > 1, r  # the small bucket size really split the model
+
+
+def _shm_setup_fails(rank, world):
+    """Rank 0 cannot create the pipes: every rank gets the error (no hang), nothing is left."""
+    import glob
+    import os
+
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from RL2.parallel.fsdp import parallelize
+    from RL2.parallel.mesh import ParallelDims
+    from RL2.rollout.weight_sync import WeightSync
+
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1))
+    parallelize(model, ParallelDims(world, 1, 1, 1, "cpu"), param_dtype=torch.float32)
+    sync = WeightSync(model, "shm")
+    if rank == 0:
+        def broken(*args, **kwargs):
+            raise OSError("no pipes here")
+        os.mkfifo = broken
+    try:
+        list(sync.stream())
+        error = None
+    except RuntimeError as e:
+        error = str(e)
+    import torch.distributed as dist
+    dist.barrier()
+    pid = [os.getpid()]
+    dist.broadcast_object_list(pid, src=0)
+    return {"error": error, "left": glob.glob(f"/dev/shm/rl2-weights-{pid[0]}-*")}
+
+
+def test_shm_setup_failure_reaches_every_rank_and_cleans_up():
+    for r in run_dist(_shm_setup_fails, 2):
+        assert r["error"] and "no pipes here" in r["error"], r
+        assert r["left"] == [], r

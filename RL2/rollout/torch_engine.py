@@ -158,15 +158,12 @@ class TorchEngine(Engine):
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         # keep_vars gives the live parameters; tied weights appear under both names.
         self.clear_prefix_cache()  # cached KV belongs to the old weights
+        targets = self.model.state_dict(keep_vars=True)
         if self._weights_shared:  # never write into memory the trainer owns: own a copy first
             with torch.no_grad():
-                done = set()
-                for t in self.model.state_dict(keep_vars=True).values():  # parameters and buffers
-                    if id(t) not in done:
-                        done.add(id(t))
-                        t.data = t.data.clone()
+                for t in {id(t): t for t in targets.values()}.values():  # parameters and buffers
+                    t.data = t.data.clone()
             self._weights_shared = False
-        targets = self.model.state_dict(keep_vars=True)
         for name, tensor in named_tensors:
             if name not in targets:
                 raise KeyError(f"update_weights: unknown parameter {name!r}")
@@ -179,11 +176,12 @@ class TorchEngine(Engine):
     def can_share_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]] | None = None) -> bool:
         if self.device.type != "cpu":
             return False
-        return named_tensors is None or self._share_mismatch(named_tensors) is None
+        return (named_tensors is None
+                or self._share_mismatch(named_tensors, self.model.state_dict(keep_vars=True)) is None)
 
-    def _share_mismatch(self, named_tensors) -> str | None:
-        """Why these tensors cannot become the weights (None: they can)."""
-        targets = self.model.state_dict(keep_vars=True)
+    @staticmethod
+    def _share_mismatch(named_tensors, targets: dict) -> str | None:
+        """Why these tensors cannot become the weights `targets` (None: they can)."""
         for name, tensor in named_tensors:
             target = targets.get(name)
             if target is None:
@@ -198,11 +196,11 @@ class TorchEngine(Engine):
         if self.device.type != "cpu":
             raise RuntimeError(f"share_weights needs the engine on the CPU, not {self.device}")
         named = list(named_tensors)
-        problem = self._share_mismatch(named)  # all checked first: no half-shared model
+        targets = self.model.state_dict(keep_vars=True)
+        problem = self._share_mismatch(named, targets)  # all checked first: no half-shared model
         if problem:
             raise ValueError(f"share_weights: {problem}")
         self.clear_prefix_cache()
-        targets = self.model.state_dict(keep_vars=True)
         self._weights_shared = True
         for name, tensor in named:
             targets[name].data = tensor  # tied weights: one parameter under two names, same values

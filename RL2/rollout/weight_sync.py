@@ -249,6 +249,7 @@ class WeightSync:
         self._used = 0  # buckets written so far: selects the half to write next
         self._shared_with = None  # the engine using the shared weights
         self._share_key = None
+        self._local_engine = None  # the engine the local transport last decided for
         logger.info("weight sync transport: %s", self.transport)
 
     def _choose(self, transport: str) -> str:
@@ -303,10 +304,10 @@ class WeightSync:
             yield name, _cast(_local(tensor), self.dtype)
 
     # ------------------------------------------------------------------ shared memory
-    def _plan(self, state: dict, bucket_bytes: int) -> list[_Region]:
+    def _plan(self, bucket_bytes: int) -> list[_Region]:
         """Bucket layout (same on every rank: it depends on names, shapes and dtypes only)."""
         regions, bucket, offset = [], 0, 0
-        for name, tensor in state.items():
+        for name, tensor in self._params.items():
             dtype = self._dtype_of(tensor)
             nbytes = tensor.numel() * dtype.itemsize
             if offset and offset + nbytes > bucket_bytes:
@@ -315,17 +316,17 @@ class WeightSync:
             offset += -(-nbytes // _ALIGN) * _ALIGN
         return regions
 
-    def _setup_shm(self, state: dict, shared: bool) -> None:
+    def _setup_shm(self, shared: bool) -> None:
         size = self.model_bytes if shared else self.bucket_bytes
         self.mode = "shared" if shared else "buckets"
-        self._regions = self._plan(state, size)
+        self._regions = self._plan(size)
         self._file = _SharedFile(size, 1 if shared else 2)
         # views made once: per sync only the copies remain
         self._views = [[self._file.view(h, r) for r in self._regions] for h in range(1 if shared else 2)]
         self._targets = [[v[r.index] if r.index is not None else None for v, r in zip(views, self._regions)]
                          for views in self._views]
 
-    def _write(self, state: dict, half: int, members) -> None:
+    def _write(self, half: int, members) -> None:
         """This rank's shards of `members` into their regions, as one foreach copy (the slices
         of the shared file are made once)."""
         dsts = self._targets[half]
@@ -334,9 +335,9 @@ class WeightSync:
             return
         with torch.no_grad():
             torch._foreach_copy_([dsts[i] for i in members],
-                                 [_raw_local(state[self._regions[i].name]) for i in members])
+                                 [_raw_local(self._params[self._regions[i].name]) for i in members])
 
-    def _stream_buckets(self, state: dict) -> Iterator[tuple[str, torch.Tensor]]:
+    def _stream_buckets(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Double buffering: writing bucket k+1 only needs every rank to be done reading bucket
         k-1, which the collective completing bucket k proves, so one collective per bucket."""
         by_bucket: dict[int, list[int]] = {}
@@ -344,16 +345,11 @@ class WeightSync:
             by_bucket.setdefault(r.bucket, []).append(i)
         for members in by_bucket.values():
             half = self._used % 2
-            self._write(state, half, members)
+            self._write(half, members)
             self._file.collective()
             self._used += 1
             for i in members:
                 yield self._regions[i].name, self._views[half][i]
-
-    def _state_for_shm(self, shared: bool) -> dict:
-        if self._regions is None:
-            self._setup_shm(self._params, shared)
-        return self._params
 
     def stream(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, full tensor) of every weight, for engines that copy; consume it completely
@@ -364,13 +360,15 @@ class WeightSync:
             if self.mode == "shared":
                 raise RuntimeError("this WeightSync shares its weights with an engine; call it, "
                                    "do not stream it")
-            return self._stream_buckets(self._state_for_shm(shared=False))
+            if self._regions is None:
+                self._setup_shm(shared=False)
+            return self._stream_buckets()
         return iter_full_tensors(self.model, self.dtype)
 
     def _choose_mode(self, engine) -> bool:
         """Shared weights when every engine can use them and the model fits (a collective)."""
         layout = [(r.name, torch.empty(r.shape, dtype=r.dtype, device="meta"))
-                  for r in self._plan(self._params, self.model_bytes)]
+                  for r in self._plan(self.model_bytes)]
         can = self.share and (engine is None or engine.can_share_weights(layout))
         fits = self.model_bytes <= self._shm_free // 2  # leave room for everything else
         flag = torch.tensor([1.0 if can and fits else 0.0])
@@ -378,9 +376,8 @@ class WeightSync:
         return bool(flag.item())
 
     def _sync_shared(self, engine) -> None:
-        state = self._state_for_shm(shared=True)
         self._file.collective()  # every engine is idle: nobody reads while the weights change
-        self._write(state, 0, range(len(self._regions)))
+        self._write(0, range(len(self._regions)))
         self._file.collective()  # every shard is written
         if engine is not None:
             self._share(engine, [(r.name, v) for r, v in zip(self._regions, self._views[0])], None)
@@ -397,7 +394,7 @@ class WeightSync:
     def _can_alias(self, engine) -> bool:
         """One rank, engine sharing this process's CPU memory, no dtype cast: the engine can use
         the trainer's shard storage itself."""
-        if self.transport != "local" or engine is None or not self.share:
+        if not self.share:
             return False
         if any(t.device.type != "cpu" or self._dtype_of(t) != t.dtype for t in self._params.values()):
             return False
@@ -417,13 +414,13 @@ class WeightSync:
         take part). Returns timing metrics."""
         start = time.perf_counter()
         if self.transport == "shm" and self.mode is None and self._choose_mode(engine):
-            self._setup_shm(self._params, shared=True)
+            self._setup_shm(shared=True)
         if engine is not None:
             engine.resume_memory(["weights"])
-        if self.mode == "aliased" and engine is not None and engine is not self._shared_with:
-            self.mode = None  # another engine: decide again
-        if self.mode is None and self._can_alias(engine):
-            self.mode = "aliased"
+        if self.transport == "local" and engine is not None and engine is not self._local_engine:
+            # decided once per engine: alias its weights to the trainer's, or copy (mode None)
+            self._local_engine = engine
+            self.mode = "aliased" if self._can_alias(engine) else None
         if self.mode == "aliased":
             n_bytes = self._sync_aliased(engine) if engine is not None else 0
         elif self.mode == "shared":

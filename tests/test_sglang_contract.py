@@ -12,7 +12,8 @@ import types
 import pytest
 import torch
 
-from RL2.rollout.engine import SamplingParams, derive_seed
+from RL2.rollout.engine import SamplingParams
+from RL2.utils.seeding import derive_seed
 from RL2.rollout.sglang_engine import SGLangEngine, make_buckets, param_names
 
 HAS_SGLANG = importlib.util.find_spec("sglang") is not None

@@ -2,6 +2,8 @@
 step s needs nothing but s."""
 import torch
 
+from RL2.utils.seeding import derive_seed
+
 
 class StepSampler:
     def __init__(self, n_items: int, batch_size: int, seed: int = 0, shuffle: bool = True):
@@ -17,7 +19,7 @@ class StepSampler:
     def batch(self, step: int) -> list[int]:
         epoch, j = divmod(step, self.steps_per_epoch)
         if self.shuffle:
-            g = torch.Generator().manual_seed(self.seed * 100003 + epoch)
+            g = torch.Generator().manual_seed(derive_seed(self.seed, "epoch", epoch))
             order = torch.randperm(self.n, generator=g)
         else:
             order = torch.arange(self.n)

@@ -4,7 +4,6 @@ Backends: `torch` (embedded PyTorch engine, any device, in `torch_engine.py`) an
 (optional GPU extra, `sglang_engine.py`). Both are imported lazily so that this module never
 pulls in a backend the caller does not use.
 """
-import hashlib
 import importlib.util
 import logging
 from abc import ABC, abstractmethod
@@ -14,9 +13,6 @@ from typing import Iterable
 import torch
 
 logger = logging.getLogger(__name__)
-
-FINISH_REASONS = ("stop", "length", "abort")
-
 
 @dataclass
 class SamplingParams:
@@ -50,12 +46,6 @@ class GenerationOutput:
     token_ids: list[int]          # generated tokens (stop token / stop string included)
     logprobs: list[float]         # log_softmax(logits / T) of each token, before top-p/top-k
     finish_reason: str            # "stop" | "length" | "abort"
-
-
-def derive_seed(seed: int, i: int | str) -> int:
-    """A 63-bit seed from (seed, i), e.g. sample i of a request (same rule for every backend)."""
-    digest = hashlib.blake2b(f"{seed}:{i}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & (2**63 - 1)
 
 
 class Engine(ABC):

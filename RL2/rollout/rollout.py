@@ -11,7 +11,8 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 
-from RL2.rollout.engine import SamplingParams, derive_seed, make_engine
+from RL2.rollout.engine import SamplingParams, make_engine
+from RL2.utils.seeding import derive_seed
 from RL2.rollout.trajectory import run_trajectory
 from RL2.rollout.weight_sync import WeightSync
 

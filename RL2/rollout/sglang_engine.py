@@ -24,7 +24,8 @@ from typing import Iterable, Iterator
 
 import torch
 
-from RL2.rollout.engine import Engine, GenerationOutput, SamplingParams, derive_seed
+from RL2.rollout.engine import Engine, GenerationOutput, SamplingParams
+from RL2.utils.seeding import derive_seed
 
 logger = logging.getLogger(__name__)
 

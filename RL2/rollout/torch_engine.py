@@ -47,7 +47,8 @@ import torch
 import torch.nn.functional as F
 
 from RL2.rollout import fast_decode as fast_decode_lib
-from RL2.rollout.engine import Engine, GenerationOutput, SamplingParams, derive_seed
+from RL2.rollout.engine import Engine, GenerationOutput, SamplingParams
+from RL2.utils.seeding import derive_seed
 from RL2.rollout.kv_cache import BatchKV
 
 logger = logging.getLogger(__name__)

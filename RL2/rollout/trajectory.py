@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from RL2.rollout.env import Env
+from RL2.utils.seeding import derive_seed
 
 logger = logging.getLogger(__name__)
 
@@ -98,7 +99,7 @@ def _turn_params(params, turn: int, room: int | None):
     if getattr(params, "n", 1) != 1:
         changes["n"] = 1
     if getattr(params, "seed", None) is not None:
-        changes["seed"] = (params.seed * 1_000_003 + turn) % (1 << 63)
+        changes["seed"] = derive_seed(params.seed, "turn", turn)
     if room is not None and params.max_new_tokens > room:
         changes["max_new_tokens"] = room
     return dataclasses.replace(params, **changes) if changes else params

@@ -1,4 +1,4 @@
-"""Weight sync: seconds per `RL2.rollout.weight_sync.sync_weights` (training shards -> full HF
+"""Weight sync: seconds per `RL2.rollout.weight_sync.WeightSync` call (training shards -> full HF
 tensors -> the embedded TorchEngine) vs the time to copy the same bytes once, per layout.
 
     python -m benchmarks.bench_weight_sync [--quick] [--sizes 1M 25M]

@@ -6,9 +6,7 @@ import torch
 
 from RL2.algorithms.advantages import (
     apply_kl_to_rewards,
-    broadcast_to_tokens,
     compute_gae,
-    compute_gae_batch,
     outcome_advantages,
     whiten,
 )
@@ -107,7 +105,7 @@ def test_gae_no_action_tokens_and_batch():
     close(adv, [0, 0])
     close(ret, [0, 0])
     rs, vs, ms = [T([0.0, 1.0]), T([2.0])], [T([0.0, 0.5]), T([1.0])], [T([1, 1]), T([1])]
-    advs, rets = compute_gae_batch(rs, vs, ms, 1.0, 1.0)
+    advs, rets = zip(*(compute_gae(r, v, m, 1.0, 1.0) for r, v, m in zip(rs, vs, ms)))
     close(advs[0], [1.0, 0.5])  # reward-to-go [1, 1] minus V [0, 0.5]
     close(rets[0], [1.0, 1.0])
     close(advs[1], [1.0])
@@ -152,15 +150,6 @@ def test_global_baseline_and_reinforce_pp():
         outcome_advantages(SCORES, "ppo")
     with pytest.raises(ValueError):
         outcome_advantages(SCORES.flatten(), "reinforce")
-
-
-def test_broadcast_to_tokens():
-    masks = [T([0, 1, 1]), T([0, 0, 1, 0, 1])]
-    out = broadcast_to_tokens(T([[0.5], [-2.0]]), masks)
-    close(out[0], [0, 0.5, 0.5])
-    close(out[1], [0, 0, -2.0, 0, -2.0])
-    with pytest.raises(ValueError):
-        broadcast_to_tokens([1.0], masks)
 
 
 # ---------------------------------------------------------------- KL in reward, whitening

@@ -52,18 +52,6 @@ def compute_gae(
     return advantages, returns
 
 
-def compute_gae_batch(
-    rewards: list[Tensor],
-    values: list[Tensor],
-    action_masks: list[Tensor],
-    gamma: float = 1.0,
-    lamda: float = 1.0,
-) -> tuple[list[Tensor], list[Tensor]]:
-    """compute_gae over a list of sequences; returns (advantages, returns) lists."""
-    out = [compute_gae(r, v, m, gamma, lamda) for r, v, m in zip(rewards, values, action_masks)]
-    return [a for a, _ in out], [ret for _, ret in out]
-
-
 def _std(x: Tensor, dim=None, keepdim: bool = False) -> Tensor:
     # Unbiased std (as GRPO implementations use); a single element has std 0 instead of nan.
     n = x.numel() if dim is None else x.shape[dim]
@@ -113,14 +101,6 @@ def outcome_advantages(
     else:
         raise ValueError(f"unknown estimator {estimator!r}; expected one of {OUTCOME_ESTIMATORS}")
     return adv.float()
-
-
-def broadcast_to_tokens(seq_adv: Tensor | list[float], action_masks: list[Tensor]) -> list[Tensor]:
-    """Give every action token of sequence i the advantage seq_adv[i]; other tokens get 0."""
-    seq_adv = torch.as_tensor(seq_adv, dtype=torch.float32).flatten()
-    if seq_adv.numel() != len(action_masks):
-        raise ValueError(f"{seq_adv.numel()} advantages for {len(action_masks)} sequences")
-    return [a * m.float() for a, m in zip(seq_adv, action_masks)]
 
 
 def apply_kl_to_rewards(

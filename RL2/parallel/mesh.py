@@ -100,7 +100,3 @@ class ParallelDims:
     @property
     def sp_rank(self) -> int:
         return self.data_mesh.get_local_rank("sp")
-
-    @property
-    def dp_group(self):
-        return self.data_mesh.get_group("dp")

@@ -443,9 +443,3 @@ class WeightSync:
         if engine is not None:
             engine.resume_memory(["kv_cache"])
         return {"sync_seconds": time.perf_counter() - start, "sync_bytes": n_bytes}
-
-
-def sync_weights(model, engine, dtype: torch.dtype | None = None, transport: str = "auto",
-                 bucket_mb: float = 512) -> dict:
-    """One-off sync (sets up a transport each call; a training run keeps a `WeightSync`)."""
-    return WeightSync(model, transport, bucket_mb, dtype)(engine)

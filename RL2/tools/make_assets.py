@@ -39,12 +39,21 @@ def _corpus(n_lines: int = 3000, seed: int = 0):
 
 
 def build_tokenizer(out_dir: str | None = None, vocab_size: int = 512):
-    """Train a small byte-level BPE (ChatML special tokens and template); ~0.1 s."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    """Train a small byte-level BPE (ChatML special tokens and template); ~0.1 s.
+
+    Its pipeline is Qwen2's (NFC, Qwen2's split regex, byte-level): transformers rebuilds the
+    tokenizer of any directory whose config says qwen2 with that pipeline, whatever
+    tokenizer.json says, so only this one reloads identically from the model directories RL2
+    writes (assets, checkpoints, final/)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
+    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
 
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size, special_tokens=SPECIAL,

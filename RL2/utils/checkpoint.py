@@ -42,7 +42,25 @@ def save_hf(model, out_dir: str, tokenizer=None, dtype: torch.dtype | None = Non
             model.generation_config.save_pretrained(out_dir)
         if tokenizer is not None:
             tokenizer.save_pretrained(out_dir)
+            check_tokenizer_reload(tokenizer, out_dir)
     dist.barrier()
+
+
+PROBE = "The answer is 12.  Ünïcode, tabs\tand 3,456 numbers; don't stop!\n<|im_end|>"
+
+
+def check_tokenizer_reload(tokenizer, out_dir: str):
+    """Warn if the tokenizer saved in `out_dir` reloads (with AutoTokenizer, as users load it)
+    to a different tokenisation: transformers rebuilds some model types' tokenizers with their own
+    pre-tokenizer whatever tokenizer.json says (e.g. qwen2)."""
+    from transformers import AutoTokenizer
+
+    reloaded = AutoTokenizer.from_pretrained(out_dir)
+    if reloaded.encode(PROBE) != tokenizer.encode(PROBE):
+        logger.warning(
+            f"the tokenizer saved in {out_dir} reloads as {type(reloaded).__name__} and splits text "
+            f"differently from the {type(tokenizer).__name__} used for training; load the "
+            f"tokenizer the run used (actor.tokenizer_name) instead")
 
 
 def resolve_ckpt(path: str, run_dir: str) -> str:
@@ -58,8 +76,10 @@ def resolve_ckpt(path: str, run_dir: str) -> str:
 
 
 def save_checkpoint(run_dir: str, step: int, workers: dict, tokenizer, trainer_state: dict,
-                    keep_last: int | None = None, hf_worker: str = "actor"):
-    """Collective: every rank calls it. `workers` maps a name to a trained Worker."""
+                    keep_last: int | None = None):
+    """Collective: every rank calls it. `workers` maps a name to a trained Worker; the first is
+    written as the step directory's HF model, the others as HF models in `<name>/`."""
+    hf_worker = next(iter(workers))
     final = os.path.join(run_dir, f"step{step}")
     tmp = final + ".tmp"
     rank = dist.get_rank()

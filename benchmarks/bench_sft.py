@@ -1,4 +1,4 @@
-"""SFT training throughput: RL2's packed Actor.sft_update vs plain right-padded batches, and MFU.
+"""SFT training throughput: RL2's packed `sft_update` vs plain right-padded batches, and MFU.
 
     python -m benchmarks.bench_sft [--quick] [--sizes 1M 25M] [--profile]
 
@@ -119,16 +119,17 @@ class RL2Trainer:
     """The library path: RL2.workers.actor.Actor on the current (1-rank) process group."""
 
     def __init__(self, path: str, device: str, lr: float, capacity: int):
+        from RL2.algorithms.sft import sft_update
         from RL2.utils.config import load_config
         from RL2.workers.actor import Actor
 
         cfg = load_config("sft", [f"actor.model_name={path}", "data.train.path=unused",
                                   f"actor.lr={lr}", f"actor.max_length_per_device={capacity}"])
         self.actor = Actor(cfg.actor, device, total_steps=10 ** 6)
-        self.model = self.actor.model
+        self.model, self.update = self.actor.model, sft_update
 
     def step(self, samples: list[dict]) -> float:
-        return self.actor.sft_update(samples)["loss"]
+        return self.update(self.actor, samples)["loss"]
 
 
 def timed_step(trainer, batch, device):

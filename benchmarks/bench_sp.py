@@ -22,6 +22,7 @@ def worker(args):
     import torch.distributed as dist
 
     from RL2.utils.config import load_config
+    from RL2.algorithms.sft import sft_update
     from RL2.workers.actor import Actor
 
     dist.init_process_group("gloo")
@@ -36,7 +37,7 @@ def worker(args):
     # Baseline: resident memory now (model + libraries); the peak below includes the first step.
     with open("/proc/self/statm") as f:
         base = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 1024
-    actor.sft_update([sample])  # warm-up: allocator, optimizer state
+    sft_update(actor, [sample])  # warm-up: allocator, optimizer state
     # Activation memory: bytes of the distinct storages autograd saves for backward (exact and
     # allocator-independent, unlike RSS).
     saved = {}
@@ -48,12 +49,12 @@ def worker(args):
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        actor.sft_update([sample])
+        sft_update(actor, [sample])
     act_mb = sum(saved.values()) / 2**20
     times = []
     for _ in range(args.repeats):
         start = time.perf_counter()
-        actor.sft_update([sample])
+        sft_update(actor, [sample])
         times.append(time.perf_counter() - start)
     peak_mb = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) / 1024
     result = torch.tensor([peak_mb, statistics.median(times), act_mb])

@@ -1,13 +1,11 @@
 """Tokenisation into Samples: masks (checked by decoding), truncation, pairs, prompts, errors."""
-import json
 
 import pytest
 import torch
 
 from RL2.data.formats import (
-    DataError, PairDataset, PromptDataset, SFTDataset, tokenize_pair, tokenize_prompt, tokenize_sft,
+    DataError, tokenize_pair, tokenize_prompt, tokenize_sft,
 )
-from RL2.data.io import load_rows
 from RL2.tools.make_assets import build_tokenizer
 
 SRC = "sft_train.jsonl"
@@ -111,10 +109,10 @@ def test_non_prefix_stable_template_is_an_error(tok):
 def test_truncation_keeps_the_left(tok):
     row = {"prompt": "What is 2 plus 3?", "response": "The answer is 5 and that is all " * 4}
     full = tokenize_sft(row, tok)
-    s = tokenize_sft(row, tok, max_length=20)
-    assert len(s["input_ids"]) == 19
+    s = tokenize_sft(row, tok, max_length=24)  # the prompt is 21 tokens
+    assert len(s["input_ids"]) == 23
     for k in full:
-        assert torch.equal(s[k], full[k][:19])
+        assert torch.equal(s[k], full[k][:23])
     # A prompt that fills max_length leaves nothing to train on.
     with pytest.raises(DataError, match=r"row 3: no response tokens.*max_length=5"):
         tokenize_sft(row, tok, max_length=5, row_index=3, source=SRC)
@@ -209,41 +207,3 @@ def test_prompt(tok):
     env_row = tokenize_prompt({"extra_info": {"env_id": "g"}}, tok, prompt_required=False)
     assert env_row["prompt_ids"] is None and env_row["extra_info"] == {"env_id": "g"}
 
-
-def _write_jsonl(path, rows):
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return str(path)
-
-
-def test_sft_dataset_validate_and_skip(tok, tmp_path):
-    rows = [{"prompt": f"q{i}", "response": f"answer {i}"} for i in range(6)]
-    rows[3] = {"prompt": "q3", "response": ""}
-    path = _write_jsonl(tmp_path / "train.jsonl", rows)
-    data = load_rows(path)
-    ds = SFTDataset(data, tok, source=path, max_length=64, prompt_key="prompt")
-    with pytest.raises(DataError, match=r"train\.jsonl row 3: key 'response' is empty"):
-        ds.validate_all()
-    ds = SFTDataset(data, tok, source=path, skip_bad_rows=True).validate_all()
-    assert len(ds) == 5 and ds.n_skipped == 1 and ds.valid == [0, 1, 2, 4, 5]
-    assert ds.n_truncated == 0 and ds.lengths == [len(ds[i]["input_ids"]) for i in range(5)]
-    assert torch.equal(ds[3]["labels"], tokenize_sft(rows[4], tok)["labels"])
-    # max_length counts tokens before the shift: min(L) cuts one token off every row.
-    m = min(ds.lengths)
-    short = SFTDataset(data, tok, source=path, skip_bad_rows=True, max_length=m).validate_all()
-    assert short.n_truncated == 5 and short.lengths == [m - 1] * 5
-    all_bad = SFTDataset([{"prompt": "q"}], tok, skip_bad_rows=True)
-    with pytest.raises(DataError, match="no usable rows"):
-        all_bad.validate_all()
-
-
-def test_pair_and_prompt_datasets(tok):
-    rows = [{"prompt": "q", "chosen": "good answer", "rejected": "bad answer",
-             "extra_info": {"i": 0}}] * 3
-    rm = PairDataset(rows, tok, for_reward_model=True).validate_all()
-    c, r = rm[0]
-    assert c["eos_mask"].sum() == 1 and rm.lengths[0] == len(c["input_ids"]) + len(r["input_ids"])
-    dpo = PairDataset(rows, tok, for_reward_model=False, apply_chat_template=False).validate_all()
-    assert trained_text(tok, dpo[1][0]) == "good answer<|im_end|>"
-    prompts = PromptDataset(rows + [{"prompt": "long " * 50}], tok, max_length=16,
-                            skip_bad_rows=True).validate_all()
-    assert len(prompts) == 3 and prompts.n_skipped == 1 and prompts[2]["extra_info"] == {"i": 0}

@@ -19,8 +19,6 @@ def test_padded_length():
     assert padded_length(7, sp_size=2) == 8
     assert padded_length(8, sp_size=2) == 8
     assert padded_length(9, sp_size=4) == 16
-    assert padded_length(5, sp_size=2, pad_multiple=3) == 12  # lcm(4, 3)
-    assert padded_length(5, sp_size=1, pad_multiple=4) == 8
 
 
 def test_karmarkar_karp_textbook():

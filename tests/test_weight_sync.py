@@ -22,7 +22,8 @@ def _sync_and_compare(rank, world, model_dir, data_path, layout):
     from RL2.data.io import load_rows
     from RL2.rollout.engine import SamplingParams
     from RL2.rollout.torch_engine import TorchEngine
-    from RL2.rollout.weight_sync import sync_weights
+    from RL2.rollout.weight_sync import WeightSync
+    from RL2.algorithms.sft import sft_update
     from RL2.utils.config import load_config
     from RL2.workers.actor import Actor
     from transformers import AutoTokenizer
@@ -33,11 +34,11 @@ def _sync_and_compare(rank, world, model_dir, data_path, layout):
     actor = Actor(cfg.actor, "cpu", total_steps=1)
     rows = load_rows(data_path)
     batch = [tokenize_sft(rows[i], tok, max_length=256, row_index=i, source="x") for i in range(8)]
-    actor.sft_update(batch)  # weights now differ from the checkpoint on disk
+    sft_update(actor, batch)  # weights now differ from the checkpoint on disk
 
     engine = TorchEngine(model_dir, tok)
     stale = {n: p.clone() for n, p in engine.model.state_dict().items()}
-    metrics = sync_weights(actor.model, engine)
+    metrics = WeightSync(actor.model, "auto", 512)(engine)
     changed = any(not torch.equal(stale[n], p) for n, p in engine.model.state_dict().items())
 
     prompts = [tok.apply_chat_template([{"role": "user", "content": rows[i]["prompt"]}],
@@ -82,6 +83,7 @@ def _transports_agree(rank, world, model_dir, data_path, layout):
     from RL2.data.io import load_rows
     from RL2.rollout.torch_engine import TorchEngine
     from RL2.rollout.weight_sync import WeightSync, iter_full_tensors
+    from RL2.algorithms.sft import sft_update
     from RL2.utils.config import load_config
     from RL2.workers.actor import Actor
     from transformers import AutoTokenizer
@@ -99,7 +101,7 @@ def _transports_agree(rank, world, model_dir, data_path, layout):
     engine, engine_sync = TorchEngine(model_dir, tok), WeightSync(actor.model)
     report = {"buckets": None, "mismatch": [], "bf16_ok": True}
     for step in range(2):
-        actor.sft_update(batch)  # new weights before each sync
+        sft_update(actor, batch)  # new weights before each sync
         ref = {n: t.clone() for n, t in iter_full_tensors(actor.model)}
         for name, sync in syncs.items():
             got = {n: t.clone() for n, t in sync.stream()}

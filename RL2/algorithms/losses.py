@@ -1,7 +1,7 @@
 """Loss functions for SFT/RM/DPO/PPO: pure, element-wise tensor math (no torch.distributed).
 
 Every per-token function returns a tensor of the same shape as its inputs; turning it into a
-scalar is `aggregate(per_token, weight)` with weights from `token_weights`, which already hold the
+scalar is `(per_token * weight).sum()` with weights from `token_weights`, which already hold the
 GLOBAL normalisation (so the sum over micro-batches and ranks is the true loss, independent of how
 sequences were split into micro-batches).
 """
@@ -140,11 +140,6 @@ def rm_loss(r_chosen: Tensor, r_rejected: Tensor) -> tuple[Tensor, Tensor]:
     return -F.logsigmoid(margin), (margin > 0).float().detach()
 
 
-def aggregate(per_token: Tensor, weight: Tensor) -> Tensor:
-    """Weighted sum; `weight` (from token_weights) already carries the global normalisation."""
-    return (per_token * weight).sum()
-
-
 def count_totals(action_masks: list[Tensor]) -> tuple[int, int]:
     """(action tokens, sequences with >= 1 action token): the totals token_weights expects.
 
@@ -184,3 +179,18 @@ def token_weights(
         # denom == 0 only when the mask is all zero, so the weight is 0 either way.
         weights.append(mask / denom if denom > 0 else torch.zeros_like(mask))
     return weights
+
+
+def with_token_weights(samples: list[dict], avg_level: str, mask_key: str = "action_mask") -> list[dict]:
+    """Copies of `samples` with a `loss_weight` per token (from `token_weights` over the whole
+    global batch, on whole sequences before any sp split): summing loss * loss_weight over
+    micro-batches and ranks gives the true loss, whatever the micro-batching or world size."""
+    weights = token_weights([s[mask_key] for s in samples], avg_level)
+    return [dict(s, loss_weight=w) for s, w in zip(samples, weights)]
+
+
+def token_metrics(samples: list[dict], mask_key: str = "action_mask") -> dict[str, float]:
+    """The token counts every trainer logs, with one meaning: `tokens` = tokens processed by the
+    forward pass (throughput counts these), `loss_tokens` = tokens whose output enters the loss."""
+    return {"tokens": float(sum(len(s["input_ids"]) for s in samples)),
+            "loss_tokens": float(sum(s[mask_key].sum().item() for s in samples))}

@@ -174,20 +174,28 @@ def make_sample(tokens, mask, max_length, where) -> tuple[dict, bool]:
     return sample, truncated
 
 
+LOSS_ON = ("assistant", "all")
+
+
 def tokenize_sft(row, tokenizer, *, prompt_key="prompt", response_key="response",
                  messages_key="messages", apply_chat_template=True, max_length=None,
-                 row_index=None, source=None) -> dict:
-    """One SFT row -> Sample with `action_mask` on response / assistant tokens.
+                 row_index=None, source=None, loss_on="assistant") -> dict:
+    """One SFT row -> Sample with `action_mask` on response / assistant tokens (`loss_on=all`:
+    on every token, prompts and template included).
 
     Uses `messages_key` (a chat) when the row has it and no response, otherwise
     `prompt_key` + `response_key` (each text or messages). With `apply_chat_template` the
     text prompt/response become a user and an assistant turn; without it the layout is
     prompt + response + eos. Raises DataError on a bad row.
     """
+    if loss_on not in LOSS_ON:
+        raise ValueError(f"loss_on={loss_on!r}: use one of {LOSS_ON}")
     where = _where(source, row_index)
     tokens, mask = sft_tokens(row, tokenizer, prompt_key=prompt_key, response_key=response_key,
                               messages_key=messages_key, apply_chat_template=apply_chat_template,
                               where=where)
+    if loss_on == "all":
+        mask = [1] * len(tokens)
     return make_sample(tokens, mask, max_length, where)[0]
 
 
@@ -273,86 +281,3 @@ def tokenize_prompt(row, tokenizer, *, prompt_key="prompt", messages_key="messag
         "extra_info": dict(extra_info or {}),
         "data_source": row.get("data_source") if hasattr(row, "get") else None,
     }
-
-
-class _TokenizedRows:
-    """Rows tokenised on access. `validate_all()` tokenises every row once up front: it raises on
-    the first bad row, or with `skip_bad_rows` skips (and counts) bad rows."""
-
-    def __init__(self, rows, tokenizer, *, source=None, skip_bad_rows=False, max_length=None, **keys):
-        self.rows, self.tokenizer, self.source = rows, tokenizer, source or "<rows>"
-        self.skip_bad_rows, self.max_length, self.keys = skip_bad_rows, max_length, keys
-        self.valid = list(range(len(rows)))  # row index of each item
-        self.lengths: list[int] | None = None  # tokens per item, set by validate_all
-        self.n_skipped = self.n_truncated = 0
-
-    def encode(self, row_index: int) -> tuple[object, int, bool]:
-        """(item, total tokens, truncated) for one row; raises DataError."""
-        raise NotImplementedError
-
-    def validate_all(self):
-        valid, lengths, skipped, truncated = [], [], 0, 0
-        for i in range(len(self.rows)):
-            try:
-                _, n, trunc = self.encode(i)
-            except DataError as e:
-                if not self.skip_bad_rows:
-                    raise
-                skipped += 1
-                if skipped <= 5:
-                    logger.warning("skipping bad row: %s", e)
-                continue
-            valid.append(i)
-            lengths.append(n)
-            truncated += trunc
-        if not valid:
-            raise DataError(f"{self.source}: no usable rows ({skipped} of {len(self.rows)} bad)")
-        self.valid, self.lengths = valid, lengths
-        self.n_skipped, self.n_truncated = skipped, truncated
-        logger.info("%s: %d rows usable, %d skipped, %d truncated to max_length=%s",
-                    self.source, len(valid), skipped, truncated, self.max_length)
-        return self
-
-    def __len__(self):
-        return len(self.valid)
-
-    def __getitem__(self, i):
-        return self.encode(self.valid[i])[0]
-
-
-class SFTDataset(_TokenizedRows):
-    """Items are SFT Samples. Keys: prompt_key, response_key, messages_key, apply_chat_template."""
-
-    def encode(self, row_index):
-        where = _where(self.source, row_index)
-        tokens, mask = sft_tokens(self.rows[row_index], self.tokenizer, where=where, **self.keys)
-        sample, truncated = make_sample(tokens, mask, self.max_length, where)
-        return sample, len(sample["input_ids"]), truncated
-
-
-class PairDataset(_TokenizedRows):
-    """Items are (chosen, rejected) Samples for a reward model (`for_reward_model=True`) or DPO."""
-
-    def __init__(self, rows, tokenizer, *, for_reward_model: bool, **kw):
-        super().__init__(rows, tokenizer, **kw)
-        self.for_reward_model = for_reward_model
-
-    def encode(self, row_index):
-        where = _where(self.source, row_index)
-        (ct, cm), (rt, rm), truncated = pair_tokens(
-            self.rows[row_index], self.tokenizer, max_length=self.max_length, where=where, **self.keys
-        )
-        if self.for_reward_model:
-            pair = reward_sample(ct), reward_sample(rt)
-        else:
-            pair = make_sample(ct, cm, None, where)[0], make_sample(rt, rm, None, where)[0]
-        return pair, sum(len(s["input_ids"]) for s in pair), truncated
-
-
-class PromptDataset(_TokenizedRows):
-    """Items are PPO prompt dicts (see `tokenize_prompt`); too-long prompts are bad rows."""
-
-    def encode(self, row_index):
-        item = tokenize_prompt(self.rows[row_index], self.tokenizer, max_length=self.max_length,
-                               row_index=row_index, source=self.source, **self.keys)
-        return item, len(item["prompt_ids"] or []), False

@@ -7,7 +7,6 @@ tokens; then hand the bins to ranks (exactly k each) with Karmarkar-Karp under a
 constraint so that per-rank token totals are balanced too. Everything is deterministic.
 """
 import heapq
-import math
 from dataclasses import dataclass, field
 
 import torch
@@ -35,14 +34,26 @@ class MicroBatch:
         )
 
 
-def pad_unit(sp_size: int = 1, pad_multiple: int = 1) -> int:
-    """Every sequence is padded to a multiple of this (2*sp chunks for the zig-zag split)."""
-    return math.lcm(2 * sp_size, pad_multiple) if sp_size > 1 else pad_multiple
+def token_capacity(worker_cfg) -> int:
+    """Tokens one micro-batch holds: `max_length_per_device` on each of the sp*tp devices that
+    share it (the longest trainable sequence, or pair of sequences)."""
+    return worker_cfg.max_length_per_device * worker_cfg.sp_size * worker_cfg.tp_size
 
 
-def padded_length(length: int, sp_size: int = 1, pad_multiple: int = 1) -> int:
-    """Length of a sequence after padding for `pack` (before the sp split)."""
-    unit = pad_unit(sp_size, pad_multiple)
+def check_fits(samples: list[dict], worker_cfg, section: str = "actor"):
+    """Stop before training if a sequence does not fit one micro-batch."""
+    capacity = token_capacity(worker_cfg)
+    longest = max(len(s["input_ids"]) for s in samples)
+    if longest > capacity:
+        raise SystemExit(
+            f"a sequence of {longest} tokens exceeds the per-device budget "
+            f"{section}.max_length_per_device*sp_size*tp_size = {capacity}; raise "
+            f"{section}.max_length_per_device or {section}.sp_size, or lower data.train.max_length")
+
+
+def padded_length(length: int, sp_size: int = 1) -> int:
+    """Length of a sequence after padding for `pack` (a multiple of 2*sp for the zig-zag split)."""
+    unit = 2 * sp_size if sp_size > 1 else 1
     return -(-length // unit) * unit
 
 
@@ -99,7 +110,7 @@ def karmarkar_karp(states: list[list], n_parts: int) -> list[tuple[int, list]]:
     return parts + [(0, [])] * (n_parts - len(parts))
 
 
-def _units(lengths, groups, sp_size, pad_multiple):
+def _units(lengths, groups, sp_size):
     """Items to place: groups (kept together) and the remaining single samples."""
     owner = {}
     for g, members in enumerate(groups or []):
@@ -111,21 +122,20 @@ def _units(lengths, groups, sp_size, pad_multiple):
             owner[i] = g
     units = [list(members) for members in (groups or []) if members]
     units += [[i] for i in range(len(lengths)) if i not in owner]
-    return [(sum(padded_length(lengths[i], sp_size, pad_multiple) for i in u), u) for u in units]
+    return [(sum(padded_length(lengths[i], sp_size) for i in u), u) for u in units]
 
 
 def plan_micro_batches(lengths: list[int], dp_size: int, capacity: int,
-                       groups: list[list[int]] | None = None, sp_size: int = 1,
-                       pad_multiple: int = 1) -> list[list[list[int]]]:
+                       groups: list[list[int]] | None = None, sp_size: int = 1) -> list[list[list[int]]]:
     """Partition samples into micro-batches: result[dp_rank][micro_batch] = sample indices.
 
     Every rank gets the same number k of micro-batches (some may be empty); each holds at most
-    `capacity` tokens counted with `padded_length(L, sp_size, pad_multiple)`; samples in one of
+    `capacity` tokens counted with `padded_length(L, sp_size)`; samples in one of
     `groups` stay in the same micro-batch, in the given order. No samples -> k = 0.
     """
     if dp_size < 1 or capacity < 1:
         raise ValueError(f"dp_size ({dp_size}) and capacity ({capacity}) must be positive")
-    units = _units(lengths, groups, sp_size, pad_multiple)
+    units = _units(lengths, groups, sp_size)
     for weight, members in units:
         if weight > capacity:
             lens = [lengths[i] for i in members]
@@ -176,8 +186,7 @@ def _zigzag(t: Tensor, sp_size: int, sp_rank: int) -> Tensor:
     return torch.cat([chunks[sp_rank], chunks[2 * sp_size - 1 - sp_rank]])
 
 
-def pack(samples: list[dict], indices: list[int], sp_size: int = 1, sp_rank: int = 0,
-         pad_multiple: int = 1) -> MicroBatch:
+def pack(samples: list[dict], indices: list[int], sp_size: int = 1, sp_rank: int = 0) -> MicroBatch:
     """Concatenate samples[indices] into one row; pad per sequence and zig-zag split over sp.
 
     Padding: 0 for every tensor; position_ids keep counting into the padding. An empty `indices`
@@ -208,7 +217,7 @@ def pack(samples: list[dict], indices: list[int], sp_size: int = 1, sp_rank: int
     parts = {k: [] for k in keys + ["position_ids"]}
     local_lens = []
     for s, n in zip(seqs, lengths):
-        n_pad = padded_length(n, sp_size, pad_multiple)
+        n_pad = padded_length(n, sp_size)
         padded = {k: torch.nn.functional.pad(s[k], (0, n_pad - n)) for k in keys}
         padded["position_ids"] = torch.arange(n_pad, dtype=torch.long)
         for k, v in padded.items():

@@ -2,32 +2,67 @@
 checkpoint save/resume."""
 import logging
 import os
-import random
 import time
 
-import numpy as np
-import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
 from RL2.data.io import load_rows, split_train_test
-from RL2.data.loader import StepSampler
+from RL2.data.loader import StepSampler, eval_batches
 from RL2.parallel.mesh import init_distributed
 from RL2.utils import checkpoint
 from RL2.utils.config import load_config
 from RL2.utils.logging import MetricLogger, is_rank0, setup_logging
+from RL2.utils.seeding import seed_everything
+from RL2.workers.actor import Actor
 
 logger = logging.getLogger("RL2")
 
 
-def seed_everything(seed: int):
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
+def prepare_run_dir(cfg) -> str:
+    """The run directory, save_dir/experiment_name. A fresh run refuses a non-empty one (its
+    metrics and checkpoints would mix with the old run's); only a resume (trainer.load_ckpt_from)
+    writes into an existing run. Decided on rank 0 for every rank."""
+    t = cfg.trainer
+    run_dir = os.path.abspath(os.path.join(t.save_dir, t.experiment_name))
+    error = [None]
+    if is_rank0():
+        if not t.load_ckpt_from and os.path.isdir(run_dir) and os.listdir(run_dir):
+            error[0] = (f"the run directory {run_dir} is not empty: pick a new "
+                        f"trainer.experiment_name (or trainer.save_dir), delete it, or resume "
+                        f"with trainer.load_ckpt_from=latest")
+        else:
+            os.makedirs(run_dir, exist_ok=True)
+            OmegaConf.save(cfg, os.path.join(run_dir, "config.yaml"))
+    dist.broadcast_object_list(error, src=0)
+    if error[0]:
+        raise SystemExit(error[0])
+    return run_dir
+
+
+def load_tokenizer(worker_cfg):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(
+        worker_cfg.tokenizer_name or worker_cfg.model_name, trust_remote_code=worker_cfg.trust_remote_code)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
 
 
 class Trainer:
-    """Subclasses build their workers, then implement `train_step(step)` and `evaluate()`."""
+    """The loop every trainer shares: step, log, evaluate, save, resume, export.
+
+    What a subclass provides (its `__init__` calls `super().__init__(cfg)` first, sets these
+    attributes itself, then calls `self.maybe_resume()`):
+      n_steps                      optimizer steps of the run (e.g. from `plan_steps`)
+      trained_workers() -> dict    {name: Worker} of the models it trains, the exported one
+                                   first (it becomes `final/` and the HF model of `step{N}/`)
+      train_step(step) -> dict     one optimizer step (step counts from 0); metrics
+      evaluate() -> dict           test metrics, {} without a test split
+    Data-driven trainers also set `train_data`, `test_data` (from `load_splits`) and `sampler`
+    (from `plan_steps`), and may use `batch(step)` and `timed_update`.
+    """
 
     def __init__(self, cfg: DictConfig):
         self.cfg = cfg
@@ -35,17 +70,8 @@ class Trainer:
         setup_logging()
         self.validate_layouts()
         seed_everything(cfg.trainer.seed)
-        self.run_dir = os.path.abspath(os.path.join(cfg.trainer.save_dir, cfg.trainer.experiment_name))
-        if is_rank0():
-            os.makedirs(self.run_dir, exist_ok=True)
-            OmegaConf.save(cfg, os.path.join(self.run_dir, "config.yaml"))
-        from transformers import AutoTokenizer
-
-        actor = cfg.actor
-        self.tokenizer = AutoTokenizer.from_pretrained(
-            actor.tokenizer_name or actor.model_name, trust_remote_code=actor.trust_remote_code)
-        if self.tokenizer.pad_token_id is None:
-            self.tokenizer.pad_token = self.tokenizer.eos_token
+        self.run_dir = prepare_run_dir(cfg)
+        self.tokenizer = load_tokenizer(cfg.actor)
         logger.info(f"world size {dist.get_world_size()} on {self.device}; run dir {self.run_dir}")
         self.step = 0
 
@@ -96,13 +122,32 @@ class Trainer:
             raise SystemExit(f"no usable rows in {source}")
         return out
 
-    def total_steps(self, n_train: int, batch_size: int) -> int:
+    def plan_steps(self, n_train: int, batch_size: int) -> tuple[StepSampler, int]:
+        """(batch order, optimizer steps of the run): n_epochs over the data, or total_steps."""
         sampler = StepSampler(n_train, batch_size, self.cfg.trainer.seed)
-        self.sampler = sampler
-        steps = sampler.steps_per_epoch * self.cfg.trainer.n_epochs
-        if self.cfg.trainer.total_steps:
-            steps = self.cfg.trainer.total_steps
-        return steps
+        return sampler, self.cfg.trainer.total_steps or sampler.steps_per_epoch * self.cfg.trainer.n_epochs
+
+    def batch(self, step: int) -> list:
+        """The training examples of optimizer step `step` (a pure function of seed and step)."""
+        return [self.train_data[i] for i in self.sampler.batch(step)]
+
+    def chunked_eval(self, data: list, eval_fn) -> dict:
+        """`eval_fn(indices) -> means over those examples`, over `data` in chunks of
+        data.test.batch_size, combined into test/ means over all of it ({} without data)."""
+        totals = {}
+        for idx in eval_batches(len(data), self.cfg.data.test.batch_size):
+            for k, v in eval_fn(idx).items():
+                totals[k] = totals.get(k, 0.0) + v * len(idx)
+        return {f"test/{k}": v / len(data) for k, v in totals.items()}
+
+    def reference_model(self) -> Actor:
+        """The frozen reference of DPO-style trainers: a copy of actor.model_name with the actor's
+        layout and the `ref:` overrides, built after the actor with the same seed."""
+        ref = OmegaConf.merge(self.cfg.actor, self.cfg.ref)
+        ref.gradient_checkpointing = False
+        if self.device == "cpu":
+            ref.offload_params = False  # parameters already live in host memory (FSDP2's offload needs a GPU)
+        return Actor(ref, self.device, train=False, seed=self.cfg.trainer.seed)
 
     # ----- metrics / checkpoints -----
     def make_metric_logger(self, total_steps: int) -> MetricLogger:
@@ -113,13 +158,20 @@ class Trainer:
             name=t.experiment_name, initial_step=self.step)
 
     def trained_workers(self) -> dict:
-        return {"actor": self.actor}
+        raise NotImplementedError
 
-    def batch_step(self, step: int, update) -> dict:
-        """One optimizer step of a supervised trainer: `update(batch) -> metrics` on this step's
-        batch, plus timing and throughput."""
+    def train_step(self, step: int) -> dict:
+        raise NotImplementedError
+
+    def evaluate(self) -> dict:
+        raise NotImplementedError
+
+    @staticmethod
+    def timed_update(update, *args) -> dict:
+        """`update(*args) -> metrics` of one optimizer step (with `tokens`, the tokens processed),
+        plus step time and throughput, under train/."""
         start = time.perf_counter()
-        metrics = update([self.train_data[i] for i in self.sampler.batch(step)])
+        metrics = update(*args)
         elapsed = time.perf_counter() - start
         metrics.update(step_time=elapsed, tokens_per_s=metrics["tokens"] / elapsed)
         return {f"train/{k}": v for k, v in metrics.items()}
@@ -137,14 +189,14 @@ class Trainer:
             self.step = state["step"]
 
     def save_final(self):
-        for name, w in self.trained_workers().items():
-            out = os.path.join(self.run_dir, "final" if name == "actor" else f"final_{name}")
+        for i, (name, w) in enumerate(self.trained_workers().items()):
+            out = os.path.join(self.run_dir, "final" if i == 0 else f"final_{name}")
             checkpoint.save_hf(w.model, out, self.tokenizer)
         logger.info(f"saved final model to {os.path.join(self.run_dir, 'final')}")
 
-    def fit(self, total_steps: int):
-        """The outer loop every trainer shares: step, log, test, save."""
-        t = self.cfg.trainer
+    def fit(self):
+        """The outer loop every trainer shares: step, log, test, save, export."""
+        t, total_steps = self.cfg.trainer, self.n_steps
         metrics_log = self.make_metric_logger(total_steps)
         if t.eval_only:
             metrics_log.log(self.evaluate(), self.step, advance=False)
@@ -158,8 +210,6 @@ class Trainer:
             metrics_log.log(metrics, self.step)
             if t.save_freq and self.step % t.save_freq == 0:
                 self.save(self.step)
-            if os.environ.get("RL2_CRASH_AFTER_STEP") == str(self.step):
-                os._exit(17)  # fault injection for the resume tests: die like a killed job
         if not t.test_freq or self.step % t.test_freq:
             final_eval = self.evaluate()
             if final_eval:
@@ -171,7 +221,7 @@ class Trainer:
     def launch(cls, config_name: str) -> None:
         """`torchrun -m RL2.trainer.<config_name> key=value ...`: build, train, close."""
         trainer = cls(load_config(config_name))
-        trainer.fit(trainer.n_steps)
+        trainer.fit()
         trainer.close()
 
     def close(self):

@@ -17,11 +17,14 @@ import torch
 
 from RL2.algorithms.advantages import OUTCOME_ESTIMATORS
 from RL2.algorithms.losses import AVG_LEVELS, KL_ESTIMATORS
+from RL2.algorithms.losses import token_metrics
 from RL2.data.formats import tokenize_prompt
+from RL2.data.packing import token_capacity
 from RL2.rollout.env import EnvError, load_env
 from RL2.rollout.rollout import Rollout
 from RL2.rollout.weight_sync import TRANSPORTS
 from RL2.trainer.base import Trainer
+from RL2.utils.seeding import derive_seed
 from RL2.workers.actor import Actor
 from RL2.workers.ppo_update import actor_update, compute_advantages, critic_update, engine_kl
 
@@ -79,7 +82,7 @@ def check_config(cfg):
     workers = ["actor"] + (["critic"] if cfg.adv.estimator == "gae" else [])
     for w in workers:
         c = cfg[w]
-        capacity = c.max_length_per_device * c.sp_size * c.tp_size
+        capacity = token_capacity(c)
         if r.max_length > capacity:
             problems.append(f"actor.rollout.max_length={r.max_length} exceeds {w}.max_length_per_device"
                             f"*sp_size*tp_size={capacity}: lower the first or raise the second")
@@ -104,7 +107,7 @@ class PPOTrainer(Trainer):
                            messages_key=d.messages_key, apply_chat_template=d.apply_chat_template,
                            max_length=d.max_length, prompt_required=not self.env.has_reset)
         self.train_prompts, self.test_prompts = [self._index(p) for p in self.load_splits(tokenize)]
-        self.n_steps = self.total_steps(len(self.train_prompts), r.prompts_per_rollout)
+        self.sampler, self.n_steps = self.plan_steps(len(self.train_prompts), r.prompts_per_rollout)
         seed = cfg.trainer.seed
         self.actor = Actor(cfg.actor, self.device, total_steps=self.n_steps, seed=seed)
         self.ref = Actor(cfg.actor, self.device, train=False, seed=seed) if cfg.kl.coef > 0 else None
@@ -137,7 +140,7 @@ class PPOTrainer(Trainer):
         if k == 0:
             idx = self.sampler.batch(step)
         else:
-            g = torch.Generator().manual_seed(self.cfg.trainer.seed * 7919 + step * 131 + k)
+            g = torch.Generator().manual_seed(derive_seed(self.cfg.trainer.seed, "refill", step, k))
             idx = torch.randperm(len(self.train_prompts), generator=g)[
                 :self.cfg.actor.rollout.prompts_per_rollout].tolist()
         return [self.train_prompts[i] for i in idx]
@@ -192,15 +195,18 @@ class PPOTrainer(Trainer):
 
         with timed(timings, "update"):
             if self.critic is not None:
-                critic_metrics = critic_update(self.critic, samples, cfg.critic, cfg.trainer.seed + step)
+                critic_metrics = critic_update(self.critic, samples, cfg.critic, derive_seed(cfg.trainer.seed, "minibatch", step))
                 metrics.update({f"critic/{k}": v for k, v in critic_metrics.items()})
             if step >= cfg.actor.freeze_steps:  # critic warm-up: the actor waits
-                actor_metrics = actor_update(self.actor, samples, cfg.actor, cfg.kl, cfg.trainer.seed + step)
+                actor_metrics = actor_update(self.actor, samples, cfg.actor, cfg.kl,
+                                             derive_seed(cfg.trainer.seed, "minibatch", step))
                 metrics.update({f"actor/{k}": v for k, v in actor_metrics.items()})
         with timed(timings, "sync"):
             self.rollout.sync(self.actor.model)
         timings["time/step"] = sum(timings.values())
-        return {**metrics, **timings}
+        tokens = {f"train/{k}": v for k, v in token_metrics(samples).items()}
+        tokens["train/tokens_per_s"] = tokens["train/tokens"] / timings["time/step"]
+        return {**metrics, **tokens, **timings}
 
     def evaluate(self) -> dict:
         if not self.test_prompts:

@@ -4,7 +4,9 @@
 """
 from functools import partial
 
-from RL2.data.formats import tokenize_sft
+from RL2.algorithms.sft import sft_eval, sft_update
+from RL2.data.formats import LOSS_ON, tokenize_sft
+from RL2.data.packing import check_fits
 from RL2.trainer.base import Trainer
 from RL2.workers.actor import Actor
 
@@ -13,33 +15,28 @@ class SFTTrainer(Trainer):
     def __init__(self, cfg):
         super().__init__(cfg)
         d = cfg.data.train
+        if d.loss_on not in LOSS_ON:
+            raise SystemExit(f"data.train.loss_on={d.loss_on!r}: use one of {LOSS_ON}")
         tokenize = partial(
             tokenize_sft, tokenizer=self.tokenizer, prompt_key=d.prompt_key,
             response_key=d.response_key, messages_key=d.messages_key,
-            apply_chat_template=d.apply_chat_template, max_length=d.max_length)
+            apply_chat_template=d.apply_chat_template, max_length=d.max_length, loss_on=d.loss_on)
         self.train_data, self.test_data = self.load_splits(tokenize)
-        self.check_lengths(self.train_data + self.test_data)
-        self.n_steps = self.total_steps(len(self.train_data), d.batch_size)
+        check_fits(self.train_data + self.test_data, cfg.actor)
+        self.sampler, self.n_steps = self.plan_steps(len(self.train_data), d.batch_size)
         self.actor = Actor(cfg.actor, self.device, total_steps=self.n_steps, seed=cfg.trainer.seed)
         self.maybe_resume()
 
-    def check_lengths(self, samples):
-        a = self.cfg.actor
-        capacity = a.max_length_per_device * a.sp_size * a.tp_size
-        longest = max(len(s["input_ids"]) for s in samples)
-        if longest > capacity:
-            raise SystemExit(
-                f"a sequence of {longest} tokens exceeds the per-device budget "
-                f"actor.max_length_per_device*sp_size*tp_size = {capacity}; raise "
-                f"actor.max_length_per_device or actor.sp_size, or lower data.train.max_length")
+    def trained_workers(self) -> dict:
+        return {"actor": self.actor}
 
     def train_step(self, step: int) -> dict:
-        return self.batch_step(step, self.actor.sft_update)
+        return self.timed_update(sft_update, self.actor, self.batch(step))
 
     def evaluate(self) -> dict:
         if not self.test_data:
             return {}
-        return {"test/loss": self.actor.sft_eval(self.test_data)}
+        return {f"test/{k}": v for k, v in sft_eval(self.actor, self.test_data).items()}
 
 
 def main():

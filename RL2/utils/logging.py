@@ -38,6 +38,15 @@ def setup_logging(level=logging.INFO):
     transformers.utils.logging.disable_progress_bar()
 
 
+def keep_rows_up_to(path: str, step: int):
+    """Drop the rows of `metrics.jsonl` logged after `step` (by a run that went on past its last
+    checkpoint before it died), so a resumed run's file holds every step once."""
+    with open(path) as f:
+        lines = [line for line in f if line.strip() and json.loads(line).get("step", 0) <= step]
+    with open(path, "w") as f:
+        f.writelines(lines)
+
+
 class MetricLogger:
     """Writes each step's metrics to `metrics.jsonl` (and wandb / TensorBoard) on rank 0."""
 
@@ -48,7 +57,10 @@ class MetricLogger:
         if not self.active:
             return
         os.makedirs(log_dir, exist_ok=True)
-        self.file = open(os.path.join(log_dir, "metrics.jsonl"), "a")
+        path = os.path.join(log_dir, "metrics.jsonl")
+        if initial_step and os.path.exists(path):
+            keep_rows_up_to(path, initial_step)  # a resume: rows after the checkpoint are redone
+        self.file = open(path, "a")
         if use_wandb:
             import wandb
 

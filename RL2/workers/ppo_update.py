@@ -9,7 +9,7 @@ from collections import defaultdict
 import torch
 
 from RL2.algorithms.advantages import apply_kl_to_rewards, compute_gae, outcome_advantages, whiten
-from RL2.algorithms.losses import kl_estimator, policy_loss, tis_weight, token_weights, value_loss
+from RL2.algorithms.losses import kl_estimator, policy_loss, tis_weight, value_loss, with_token_weights
 
 
 # ----- advantages -----
@@ -96,11 +96,6 @@ def mini_batches(samples: list[dict], n: int, seed: int) -> list[list[dict]]:
     return [[samples[i] for i in order[k::n]] for k in range(n) if order[k::n]]
 
 
-def _weighted(samples, avg_level):
-    weights = token_weights([s["action_mask"] for s in samples], avg_level)
-    return [dict(s, loss_weight=w) for s, w in zip(samples, weights)]
-
-
 def actor_update(actor, samples: list[dict], cfg, kl_cfg, seed: int) -> dict:
     """cfg = the actor config (clip, clip_high, dual_clip, entropy_coef, tis_coef, avg_level,
     update_per_rollout, rollout temperature); samples carry advantages (+ old/ref/engine logps)."""
@@ -110,7 +105,7 @@ def actor_update(actor, samples: list[dict], cfg, kl_cfg, seed: int) -> dict:
     grad_norms = []
     batches = mini_batches(samples, cfg.update_per_rollout, seed)
     for batch in batches:
-        for mb in actor.plan(_weighted(batch, cfg.avg_level)):
+        for mb in actor.plan(with_token_weights(batch, cfg.avg_level)):
             d = mb.data
             out = actor.forward(mb, temperature=temperature, need_entropy=True)
             logps, w = out["logps"], d["loss_weight"]
@@ -150,7 +145,7 @@ def critic_update(critic, samples: list[dict], cfg, seed: int) -> dict:
     grad_norms = []
     batches = mini_batches(samples, cfg.update_per_rollout, seed)
     for batch in batches:
-        for mb in critic.plan(_weighted(batch, cfg.avg_level)):
+        for mb in critic.plan(with_token_weights(batch, cfg.avg_level)):
             d = mb.data
             values = critic.forward(mb)["values"]
             loss, clipped = value_loss(values, d["values"], d["returns"], cfg.clip)

@@ -8,7 +8,7 @@ import torch.distributed as dist
 from omegaconf import DictConfig
 
 from RL2.algorithms.losses import upcast
-from RL2.data.packing import MicroBatch, pack, plan_micro_batches, unpack
+from RL2.data.packing import MicroBatch, pack, plan_micro_batches, token_capacity, unpack
 from RL2.parallel.attention import PackedContext, packed_kwargs, register
 from RL2.parallel.fsdp import parallelize
 from RL2.parallel.mesh import ParallelDims
@@ -23,12 +23,21 @@ def load_hf_model(path: str, value_head: bool, dtype: torch.dtype, trust_remote_
     kw = dict(attn_implementation=register(), dtype=dtype, trust_remote_code=trust_remote_code)
     if value_head:
         # A causal-LM checkpoint gets a fresh 1-wide head; the same seed on every rank keeps it
-        # identical across replicas. No dropout on the head: values must be deterministic (HF
-        # defaults it to 0.1); set on the config since not every config declares the key.
+        # identical across replicas.
         config = AutoConfig.from_pretrained(path, num_labels=1, trust_remote_code=trust_remote_code)
-        config.classifier_dropout = 0.0
-        return AutoModelForTokenClassification.from_pretrained(path, config=config, **kw)
+        return disable_dropout(AutoModelForTokenClassification.from_pretrained(path, config=config, **kw))
     return AutoModelForCausalLM.from_pretrained(path, **kw)
+
+
+def disable_dropout(model: torch.nn.Module) -> torch.nn.Module:
+    """HF token-classification heads apply dropout 0.1 by default; a value model is trained
+    without it (values would be noisy and depend on the micro-batching). Recorded in the config
+    too (not every config declares the key), so the saved checkpoint evaluates the same way."""
+    for m in model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+    model.config.classifier_dropout = 0.0
+    return model
 
 
 def make_scheduler(optimizer, cfg: DictConfig, total_steps: int):
@@ -68,7 +77,7 @@ class Worker:
                     offload_params=cfg.offload_params)
         if device == "cuda" and not cfg.offload_params:
             self.model.to("cuda")
-        self.capacity = cfg.max_length_per_device * self.dims.sp * self.dims.tp
+        self.capacity = token_capacity(cfg)
         self.optimizer = self.scheduler = None
         if train:
             self.optimizer = torch.optim.AdamW(

@@ -23,8 +23,7 @@ def assets(tmp_path_factory):
 @pytest.fixture(scope="session")
 def serial(assets, tmp_path_factory):
     """The 1-process SFT reference runs (float32 and float64) that parallel runs must match."""
-    from tests.run_utils import run_trainer
-    from tests.test_sft import sft_args
+    from tests.run_utils import run_trainer, sft_args
 
     out = {}
     for dtype in ("float32", "float64"):

@@ -1,4 +1,5 @@
-"""Launch a trainer under real torchrun (gloo) and read back its per-step metrics."""
+"""Launch a trainer under real torchrun (gloo) and read back its per-step metrics; the layouts,
+arguments and reference runs the trainer tests share."""
 import json
 import math
 import os
@@ -11,13 +12,20 @@ from tests.dist_utils import free_port
 
 
 def run_trainer(trainer: str, nproc: int, overrides: list[str], run_dir, timeout: float = 600,
-                extra_env: dict | None = None, check: bool = True) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-           "--master_addr=127.0.0.1", f"--master_port={free_port()}", "-m", f"RL2.trainer.{trainer}",
-           f"trainer.save_dir={run_dir}", "trainer.experiment_name=run", "trainer.device=cpu",
-           *overrides]
+                extra_env: dict | None = None, check: bool = True,
+                crash_after_step: int | None = None) -> subprocess.CompletedProcess:
+    """`crash_after_step=N`: the run dies (like a killed job) right after saving step N's
+    checkpoint (tests/crash_entry.py); set trainer.save_freq so that step N is saved."""
+    entry = [f"RL2.trainer.{trainer}"]
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", WANDB_MODE="offline")
     env.update(extra_env or {})
+    if crash_after_step is not None:
+        entry = ["tests.crash_entry", trainer]
+        env["RL2_TEST_CRASH_AFTER_STEP"] = str(crash_after_step)
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+           "--master_addr=127.0.0.1", f"--master_port={free_port()}", "-m", *entry,
+           f"trainer.save_dir={run_dir}", "trainer.experiment_name=run", "trainer.device=cpu",
+           *overrides]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
@@ -47,3 +55,61 @@ def parallel_cases(layouts) -> list:
     return [pytest.param("fsdp2", "float32", 1e-5, id="fsdp2-float32")] + [
         pytest.param(name, dtype, rtol, id=f"{name}-{dtype}", marks=pytest.mark.slow)
         for name, dtype, rtol in slow]
+
+
+# The parallel layouts the tests run, in one table: name -> (processes, worker keys). Each test
+# gives every layout it runs a per-device token budget (its sequence lengths decide how many
+# micro-batches a budget makes).
+LAYOUTS = {
+    "fsdp2": (2, {}),
+    "sp2": (2, {"sp_size": 2}),
+    "tp2": (2, {"tp_size": 2}),
+    "fsdp4": (4, {}),
+    "ddp2xfsdp2": (4, {"ddp_size": 2}),
+    "dp2xsp2": (4, {"sp_size": 2}),
+    "tp2xfsdp2": (4, {"tp_size": 2}),
+    "tp2xsp2": (4, {"tp_size": 2, "sp_size": 2}),
+}
+
+
+def layout(name: str, budget: int) -> tuple[int, list[str]]:
+    """(processes, actor.* overrides) of layout `name` with actor.max_length_per_device=budget."""
+    nproc, keys = LAYOUTS[name]
+    return nproc, [f"actor.{k}={v}" for k, v in {**keys, "max_length_per_device": budget}.items()]
+
+
+def sft_args(assets, *extra):
+    return [f"actor.model_name={assets['model']}", f"data.train.path={assets['data']}/sft_train.jsonl",
+            f"data.test.path={assets['data']}/sft_test.jsonl", "data.train.batch_size=16",
+            "actor.lr=1e-3", "trainer.total_steps=3", *extra]
+
+
+def serial_runs(trainer, make_args, assets, tmp_path_factory):
+    """serial(dtype) -> run dir of the 1-process reference run (one micro-batch per step), each
+    dtype run once."""
+    runs = {}
+
+    def get(dtype):
+        if dtype not in runs:
+            d = tmp_path_factory.mktemp(f"{trainer}_serial_{dtype}")
+            run_trainer(trainer, 1, make_args(assets, f"actor.dtype={dtype}", "actor.max_length_per_device=4096"), d)
+            runs[dtype] = d
+        return runs[dtype]
+    return get
+
+
+def write_rows(path, rows):
+    with open(path, "w") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+
+
+def bad_rows_file(assets, tmp_path) -> str:
+    """20 preference rows; row 3 lacks 'rejected', row 7 has rejected == chosen."""
+    with open(f"{assets['data']}/pref_train.jsonl") as f:
+        rows = [json.loads(line) for line in f][:20]
+    del rows[3]["rejected"]                     # row 3: missing key
+    rows[7]["rejected"] = rows[7]["chosen"]     # row 7: identical sides
+    path = tmp_path / "bad.jsonl"
+    write_rows(path, rows)
+    return str(path)

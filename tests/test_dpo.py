@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from tests.run_utils import assert_close, parallel_cases, read_metrics, run_trainer, train_rows
-from tests.test_rm import bad_rows_file, serial_runs
+from tests.run_utils import (assert_close, bad_rows_file, layout, parallel_cases, read_metrics,
+                             run_trainer, serial_runs, train_rows)
 
 SFT_COEF = 0.1
 
@@ -67,25 +67,17 @@ def test_margin_increases(serial):
 
 
 # Pairs are <= 69 tokens (72 padded for sp=2), so every layout packs several micro-batches.
-LAYOUTS = {
-    "fsdp2": (2, ["actor.max_length_per_device=80"]),
-    "ddp2xfsdp2": (4, ["actor.ddp_size=2", "actor.max_length_per_device=160"]),
-    "sp2": (2, ["actor.sp_size=2", "actor.max_length_per_device=48"]),
-    "dp2xsp2": (4, ["actor.sp_size=2", "actor.max_length_per_device=64"]),
-    "tp2": (2, ["actor.tp_size=2", "actor.max_length_per_device=40"]),
-    # The 4-rank grid of the parallelism issue.
-    "fsdp4": (4, ["actor.max_length_per_device=80"]),
-    "tp2xfsdp2": (4, ["actor.tp_size=2", "actor.max_length_per_device=40"]),
-    "tp2xsp2": (4, ["actor.tp_size=2", "actor.sp_size=2", "actor.max_length_per_device=24"]),
-}
-CASES = parallel_cases(LAYOUTS)
+BUDGETS = {"fsdp2": 80, "ddp2xfsdp2": 160, "sp2": 48, "dp2xsp2": 64, "tp2": 40,
+           # The 4-rank grid of the parallelism issue.
+           "fsdp4": 80, "tp2xfsdp2": 40, "tp2xsp2": 24}
+CASES = parallel_cases(BUDGETS)
 KEYS = ("train/loss", "train/dpo_loss", "train/sft_loss", "train/rewards/margin", "train/grad_norm",
         "test/loss", "test/rewards/margin")
 
 
-@pytest.mark.parametrize("layout,dtype,rtol", CASES)
-def test_parallel_equals_serial(assets, serial, tmp_path, layout, dtype, rtol):
-    nproc, extra = LAYOUTS[layout]
+@pytest.mark.parametrize("name,dtype,rtol", CASES)
+def test_parallel_equals_serial(assets, serial, tmp_path, name, dtype, rtol):
+    nproc, extra = layout(name, BUDGETS[name])
     run_trainer("dpo", nproc, dpo_args(assets, f"actor.dtype={dtype}", *extra), tmp_path)
     for key in KEYS:
         # Margins start at ~0 (policy == reference): compare them with an absolute floor too.

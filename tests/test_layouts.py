@@ -5,18 +5,12 @@ import os
 import pytest
 import torch
 
-from tests.run_utils import assert_close, read_metrics, run_trainer, train_rows
-from tests.test_sft import sft_args
+from tests.run_utils import assert_close, layout, read_metrics, run_trainer, sft_args, train_rows
 
 pytestmark = pytest.mark.slow  # 4-rank torchrun launches
 
-GRID = {
-    "fsdp4": ["actor.max_length_per_device=64"],
-    "ddp2xfsdp2": ["actor.ddp_size=2", "actor.max_length_per_device=48"],
-    "tp2xfsdp2": ["actor.tp_size=2", "actor.max_length_per_device=40"],
-    "sp2xfsdp2": ["actor.sp_size=2", "actor.max_length_per_device=40"],
-    "tp2xsp2": ["actor.tp_size=2", "actor.sp_size=2", "actor.max_length_per_device=24"],
-}
+BUDGETS = {"fsdp4": 64, "ddp2xfsdp2": 48, "tp2xfsdp2": 40, "dp2xsp2": 40, "tp2xsp2": 24}
+GRID = {name: layout(name, budget)[1] for name, budget in BUDGETS.items()}  # all 4-rank layouts
 
 
 @pytest.fixture(scope="module")
@@ -26,21 +20,21 @@ def serial64(assets, tmp_path_factory):
     return d
 
 
-@pytest.mark.parametrize("layout", list(GRID))
-def test_sft_layout_grid_float64(assets, serial64, tmp_path, layout):
-    run_trainer("sft", 4, sft_args(assets, "actor.dtype=float64", "trainer.total_steps=4", *GRID[layout]), tmp_path)
+@pytest.mark.parametrize("name", list(GRID))
+def test_sft_layout_grid_float64(assets, serial64, tmp_path, name):
+    run_trainer("sft", 4, sft_args(assets, "actor.dtype=float64", "trainer.total_steps=4", *GRID[name]), tmp_path)
     for key in ("train/loss", "train/grad_norm", "train/tokens", "test/loss"):
-        assert_close(train_rows(tmp_path, key), train_rows(serial64, key), 1e-10, f"{layout} {key}")
+        assert_close(train_rows(tmp_path, key), train_rows(serial64, key), 1e-10, f"{name} {key}")
 
 
 def test_checkpoint_moves_between_layouts(assets, serial64, tmp_path):
-    """Save in tp2 x fsdp2, resume in sp2 x fsdp2: steps 3-4 match the serial run; the step
+    """Save in tp2 x fsdp2, resume in dp2 x sp2: steps 3-4 match the serial run; the step
     checkpoint is a plain HF model."""
     args = sft_args(assets, "actor.dtype=float64", "trainer.total_steps=4")
     run_trainer("sft", 4, args + GRID["tp2xfsdp2"] + ["trainer.save_freq=2"], tmp_path,
-                extra_env={"RL2_CRASH_AFTER_STEP": "2"}, check=False)
+                crash_after_step=2, check=False)
     assert (tmp_path / "run" / "latest").read_text() == "step2"
-    run_trainer("sft", 4, args + GRID["sp2xfsdp2"] + ["trainer.load_ckpt_from=latest"], tmp_path)
+    run_trainer("sft", 4, args + GRID["dp2xsp2"] + ["trainer.load_ckpt_from=latest"], tmp_path)
     got = {r["step"]: r for r in read_metrics(tmp_path) if "train/loss" in r}
     want = {r["step"]: r for r in read_metrics(serial64) if "train/loss" in r}
     for s in (1, 2, 3, 4):

@@ -7,8 +7,7 @@ import sys
 import pytest
 
 from tests.dist_utils import free_port
-from tests.run_utils import assert_close, train_rows
-from tests.test_sft import sft_args
+from tests.run_utils import assert_close, sft_args, train_rows
 
 
 @pytest.mark.slow

@@ -121,7 +121,7 @@ def test_resume_after_crash_repeats_the_straight_run(assets, tmp_path):
     run_trainer("ppo", 2, args, straight)
     resumed = tmp_path / "resumed"
     proc = run_trainer("ppo", 2, args + ["trainer.save_freq=2"], resumed,
-                       extra_env={"RL2_CRASH_AFTER_STEP": "2"}, check=False)
+                       crash_after_step=2, check=False)
     assert proc.returncode != 0 and (resumed / "run" / "latest").read_text() == "step2"
     run_trainer("ppo", 2, args + ["trainer.load_ckpt_from=latest"], resumed)
     want = {r["step"]: r for r in read_metrics(straight) if "rollout/reward" in r}

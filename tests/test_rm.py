@@ -1,7 +1,6 @@
 """Reward-model trainer end to end under torchrun/gloo: parallel == serial (dp, HSDP, sp),
 above-chance test accuracy, HF export reproduces the trainer's rewards, bad input. Also the
 autograd-aware sp collectives it relies on."""
-import json
 import math
 import os
 
@@ -9,7 +8,8 @@ import pytest
 import torch
 
 from tests.dist_utils import run_dist
-from tests.run_utils import assert_close, parallel_cases, read_metrics, run_trainer, train_rows
+from tests.run_utils import (assert_close, bad_rows_file, layout, parallel_cases, read_metrics,
+                             run_trainer, serial_runs, train_rows)
 
 
 def rm_args(assets, *extra):
@@ -53,33 +53,15 @@ def serial(assets, tmp_path_factory):
     return serial_runs("rm", rm_args, assets, tmp_path_factory)
 
 
-def serial_runs(trainer, make_args, assets, tmp_path_factory):
-    runs = {}
-
-    def get(dtype):
-        if dtype not in runs:
-            d = tmp_path_factory.mktemp(f"{trainer}_serial_{dtype}")
-            run_trainer(trainer, 1, make_args(assets, f"actor.dtype={dtype}", "actor.max_length_per_device=4096"), d)
-            runs[dtype] = d
-        return runs[dtype]
-    return get
-
-
 # Pairs are <= 71 tokens (76 padded for sp=2), so every layout packs several micro-batches.
-LAYOUTS = {
-    "fsdp2": (2, ["actor.max_length_per_device=80"]),
-    "ddp2xfsdp2": (4, ["actor.ddp_size=2", "actor.max_length_per_device=160"]),
-    "sp2": (2, ["actor.sp_size=2", "actor.max_length_per_device=48"]),
-    "dp2xsp2": (4, ["actor.sp_size=2", "actor.max_length_per_device=64"]),
-    "tp2": (2, ["actor.tp_size=2", "actor.max_length_per_device=40"]),
-}
-CASES = parallel_cases(LAYOUTS)
+BUDGETS = {"fsdp2": 80, "ddp2xfsdp2": 160, "sp2": 48, "dp2xsp2": 64, "tp2": 40}
+CASES = parallel_cases(BUDGETS)
 KEYS = ("train/loss", "train/accuracy", "train/margin", "train/grad_norm", "test/loss", "test/margin")
 
 
-@pytest.mark.parametrize("layout,dtype,rtol", CASES)
-def test_parallel_equals_serial(assets, serial, tmp_path, layout, dtype, rtol):
-    nproc, extra = LAYOUTS[layout]
+@pytest.mark.parametrize("name,dtype,rtol", CASES)
+def test_parallel_equals_serial(assets, serial, tmp_path, name, dtype, rtol):
+    nproc, extra = layout(name, BUDGETS[name])
     run_trainer("rm", nproc, rm_args(assets, f"actor.dtype={dtype}", *extra), tmp_path)
     for key in KEYS:
         # A margin is a difference of two rewards ~100x larger: give it a matching absolute floor.
@@ -116,23 +98,6 @@ def test_accuracy_above_chance_and_hf_export_reproduces_rewards(assets, serial):
 
 
 # ----------------------------------------------------------------- bad input
-
-def write_rows(path, rows):
-    with open(path, "w") as f:
-        for r in rows:
-            f.write(json.dumps(r) + "\n")
-
-
-def bad_rows_file(assets, tmp_path) -> str:
-    """20 preference rows; row 3 lacks 'rejected', row 7 has rejected == chosen."""
-    with open(f"{assets['data']}/pref_train.jsonl") as f:
-        rows = [json.loads(line) for line in f][:20]
-    del rows[3]["rejected"]                     # row 3: missing key
-    rows[7]["rejected"] = rows[7]["chosen"]     # row 7: identical sides
-    path = tmp_path / "bad.jsonl"
-    write_rows(path, rows)
-    return str(path)
-
 
 def test_bad_row_stops_with_the_row_named(assets, tmp_path):
     # (tests/test_dpo.py runs the same file with skip_bad_rows=true.)

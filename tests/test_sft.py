@@ -5,25 +5,17 @@ import os
 import pytest
 import torch
 
-from tests.run_utils import assert_close, read_metrics, run_trainer, train_rows
+from tests.run_utils import assert_close, layout, read_metrics, run_trainer, sft_args, train_rows
 
 
-def sft_args(assets, *extra):
-    return [f"actor.model_name={assets['model']}", f"data.train.path={assets['data']}/sft_train.jsonl",
-            f"data.test.path={assets['data']}/sft_test.jsonl", "data.train.batch_size=16",
-            "actor.lr=1e-3", "trainer.total_steps=3", *extra]
+BUDGETS = {"fsdp2": 64, "ddp2xfsdp2": 96}
 
 
-LAYOUTS = [
-    (2, ["actor.max_length_per_device=64"]),
-    (4, ["actor.ddp_size=2", "actor.max_length_per_device=96"]),
-]
-
-
-@pytest.mark.parametrize("nproc,layout", LAYOUTS, ids=["fsdp2", "ddp2xfsdp2"])
+@pytest.mark.parametrize("name", list(BUDGETS))
 @pytest.mark.parametrize("dtype,rtol", [("float64", 1e-10), ("float32", 1e-5)])
-def test_parallel_equals_serial(assets, serial, tmp_path, nproc, layout, dtype, rtol):
-    run_trainer("sft", nproc, sft_args(assets, f"actor.dtype={dtype}", *layout), tmp_path)
+def test_parallel_equals_serial(assets, serial, tmp_path, name, dtype, rtol):
+    nproc, extra = layout(name, BUDGETS[name])
+    run_trainer("sft", nproc, sft_args(assets, f"actor.dtype={dtype}", *extra), tmp_path)
     for key in ("train/loss", "train/grad_norm", "train/tokens"):
         assert_close(train_rows(tmp_path, key), train_rows(serial[dtype], key), rtol, key)
     assert_close(train_rows(tmp_path, "test/loss"), train_rows(serial[dtype], "test/loss"), rtol, "test/loss")
@@ -61,7 +53,7 @@ def test_resume_after_crash_is_exact(assets, tmp_path):
     run_trainer("sft", 2, args, straight)
     resumed = tmp_path / "resumed"
     proc = run_trainer("sft", 2, args + ["trainer.save_freq=3"], resumed,
-                       extra_env={"RL2_CRASH_AFTER_STEP": "3"}, check=False)
+                       crash_after_step=3, check=False)
     assert proc.returncode != 0
     assert (resumed / "run" / "latest").read_text() == "step3"
     run_trainer("sft", 2, args + ["trainer.load_ckpt_from=latest"], resumed)

@@ -1,0 +1,26 @@
+"""Test-side fault injection for the resume tests: `python -m tests.crash_entry <trainer> ...`
+runs RL2.trainer.<trainer> but dies like a killed job (os._exit, no cleanup) right after saving
+the checkpoint of step RL2_TEST_CRASH_AFTER_STEP. The library's loop carries no test hook."""
+import importlib
+import os
+import sys
+
+from RL2.trainer.base import Trainer
+
+
+def main():
+    trainer = sys.argv.pop(1)
+    crash_step = int(os.environ["RL2_TEST_CRASH_AFTER_STEP"])
+    save = Trainer.save
+
+    def save_then_die(self, step: int):
+        save(self, step)
+        if step == crash_step:
+            os._exit(17)
+
+    Trainer.save = save_then_die
+    importlib.import_module(f"RL2.trainer.{trainer}").main()
+
+
+if __name__ == "__main__":
+    main()

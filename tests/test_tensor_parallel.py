@@ -6,9 +6,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from RL2.parallel import tensor_parallel as tpmod
-from RL2.parallel.tensor_parallel import (
-    apply_tp, grad_norm_and_clip, logps_and_entropy, validate_tp)
+from RL2.parallel import vocab_logps
+from RL2.parallel.tensor_parallel import apply_tp, grad_norm_and_clip, validate_tp
+from RL2.parallel.vocab_logps import logps_and_entropy
 from tests.dist_utils import run_dist
 
 TOL = 1e-10  # float64 throughout: any layout bug shows up far above this
@@ -204,7 +204,7 @@ def test_validate_tp_architecture_and_vocab():
 @pytest.mark.parametrize("temperature", [0.7, 1.0])  # T == 1 skips the scaling
 @pytest.mark.parametrize("chunk", [1 << 24, 7])  # 7 elements: one token per chunk
 def test_logps_and_entropy_plain_tensor(monkeypatch, chunk, temperature):
-    monkeypatch.setattr(tpmod, "_CHUNK_ELEMENTS", chunk)
+    monkeypatch.setattr(vocab_logps, "_CHUNK_ELEMENTS", chunk)
     torch.manual_seed(0)
     logits = (3 * torch.randn(2, 5, 11, dtype=torch.float64)).requires_grad_()
     labels = torch.randint(0, 11, (2, 5))

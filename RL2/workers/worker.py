@@ -112,7 +112,7 @@ class Worker:
             if hasattr(logits, "full_tensor"):
                 logits = logits.full_tensor()
             return {"values": upcast(logits[0, :, 0])}
-        from RL2.parallel.tensor_parallel import logps_and_entropy
+        from RL2.parallel.vocab_logps import logps_and_entropy
 
         logps, entropy = logps_and_entropy(logits[0], mb.data["labels"], temperature, need_entropy)
         result = {"logps": logps}

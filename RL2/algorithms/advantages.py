@@ -39,7 +39,7 @@ def compute_gae(
     v = values.detach()[idx].double()
     next_v = torch.cat([v[1:], v.new_zeros(1)])
     deltas = (r + gamma * next_v - v).tolist()
-    # The backward recursion is sequential; a loop over Python floats is cheap (~0.1 us/step)
+    # The backward recursion is sequential; a loop over Python floats is cheap
     # and exact, unlike a cumsum with gamma*lamda powers, which under/overflows on long sequences.
     adv = [0.0] * len(deltas)
     running = 0.0

@@ -16,7 +16,7 @@ full tensors are produced (the transport) is chosen once per run by `WeightSync`
     and one copy of the engine weights per host instead of one per rank.
   * buckets (otherwise): two bounded buckets used in turn; one barrier marks a bucket complete
     and every engine copies full tensors out of it.
-  The barriers go over named pipes (~20 us; a gloo all-reduce of one float costs ~170 us).
+  The barriers go over named pipes (a pipe round trip is far cheaper than a gloo all-reduce).
 - "gather": one `full_tensor()` all-gather per parameter (NCCL on GPU; the multi-host fallback).
 
 Every rank walks the state dict in the same order (the transports are collectives), so a sync
@@ -59,7 +59,7 @@ def _cast(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
 
 
 def _state(model) -> dict:
-    """The model's state dict without detach copies (a DTensor detach costs ~10 us each)."""
+    """The model's state dict without detach copies (a DTensor detach is not free)."""
     with torch.no_grad():
         return model.state_dict(keep_vars=True)
 
@@ -71,8 +71,8 @@ def _local(tensor) -> torch.Tensor:
 
 
 def _raw_local(tensor) -> torch.Tensor:
-    """This rank's shard itself: `to_local()` is an autograd function (~2.5 us a call, a third of
-    a small model's sync); the raw attribute is only read under no_grad, as a copy source."""
+    """This rank's shard itself: `to_local()` is an autograd function (a large share of a small
+    model's sync); the raw attribute is only read under no_grad, as a copy source."""
     return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
 
 
@@ -116,8 +116,8 @@ def _shard_index(tensor: torch.Tensor):
 
 
 class _PipeBarrier:
-    """A barrier for the ranks of one host over named pipes, rank 0 the hub: a gloo all_reduce
-    of one float costs ~170 us on loopback TCP, a pipe round trip ~20 us. The kernel's pipe
+    """A barrier for the ranks of one host over named pipes, rank 0 the hub: a pipe round trip
+    is several times cheaper than a gloo all_reduce over loopback TCP. The kernel's pipe
     locking orders each rank's shared-memory writes before the barrier ahead of any read after
     it, on any CPU architecture. The pipes are created by rank 0 (`paths`) before construction."""
 

@@ -118,7 +118,8 @@ class PPOTrainer(Trainer):
             self.critic = Critic(cfg.critic, self.device, total_steps=self.n_steps, seed=seed)
         self.rollout = Rollout(r, self.tokenizer, self.env, cfg.actor.model_name, self.device, seed)
         self.maybe_resume()
-        self.rollout.sync(self.actor.model)  # the engine serves exactly the trainer's weights
+        sync = self.rollout.sync(self.actor.model)  # the engine serves exactly the trainer's weights
+        logger.info(f"initial weight sync: {sync}")
 
     @staticmethod
     def _index(prompts: list[dict]) -> list[dict]:
@@ -169,7 +170,7 @@ class PPOTrainer(Trainer):
         if not any(s["action_mask"].sum() > 0 for s in samples):
             logger.warning(f"step {step + 1}: no trainable tokens (every group filtered or failed)")
             with timed(timings, "sync"):
-                self.rollout.sync(self.actor.model)
+                metrics.update(self.sync_weights())
             return {**metrics, **timings}
 
         if self.ref is not None:
@@ -202,11 +203,15 @@ class PPOTrainer(Trainer):
                                              derive_seed(cfg.trainer.seed, "minibatch", step))
                 metrics.update({f"actor/{k}": v for k, v in actor_metrics.items()})
         with timed(timings, "sync"):
-            self.rollout.sync(self.actor.model)
+            metrics.update(self.sync_weights())
         timings["time/step"] = sum(timings.values())
         tokens = {f"train/{k}": v for k, v in token_metrics(samples).items()}
         tokens["train/tokens_per_s"] = tokens["train/tokens"] / timings["time/step"]
         return {**metrics, **tokens, **timings}
+
+    def sync_weights(self) -> dict:
+        """Trainer shards -> the engine; its metrics (seconds, bytes) under sync/."""
+        return {f"sync/{k}": v for k, v in self.rollout.sync(self.actor.model).items()}
 
     def evaluate(self) -> dict:
         if not self.test_prompts:

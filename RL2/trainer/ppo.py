@@ -211,7 +211,7 @@ class PPOTrainer(Trainer):
 
     def sync_weights(self) -> dict:
         """Trainer shards -> the engine; its metrics (seconds, bytes) under sync/."""
-        return {f"sync/{k}": v for k, v in self.rollout.sync(self.actor.model).items()}
+        return {f"sync/{k.removeprefix('sync_')}": v for k, v in self.rollout.sync(self.actor.model).items()}
 
     def evaluate(self) -> dict:
         if not self.test_prompts:

@@ -73,6 +73,21 @@ def test_sft_multi_turn_messages(tok):
     assert full == tok.apply_chat_template(msgs[:5], tokenize=False)
 
 
+def test_loss_on_all_trains_every_token(tok):
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "1 plus 1?"},
+            {"role": "assistant", "content": "2"}]
+    assistant = tokenize_sft({"messages": msgs}, tok)
+    every = tokenize_sft({"messages": msgs}, tok, loss_on="all")
+    assert torch.equal(every["input_ids"], assistant["input_ids"])
+    assert torch.equal(every["labels"], assistant["labels"])
+    assert every["action_mask"].tolist() == [1.0] * len(every["labels"])
+    assert 0 < assistant["action_mask"].sum() < len(assistant["labels"])
+    raw = tokenize_sft({"prompt": "q", "response": "a"}, tok, apply_chat_template=False, loss_on="all")
+    assert raw["action_mask"].tolist() == [1.0] * len(raw["labels"])
+    with pytest.raises(ValueError, match="loss_on='prompt'"):
+        tokenize_sft({"messages": msgs}, tok, loss_on="prompt")
+
+
 def test_prompt_messages_context_is_not_trained(tok):
     # Few-shot assistant turns inside the prompt are context; only the response is trained.
     prompt = [{"role": "user", "content": "1 plus 1?"}, {"role": "assistant", "content": "2"},

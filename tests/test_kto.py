@@ -45,7 +45,7 @@ def test_kto_loss_by_hand():
     assert rewards.tolist() == pytest.approx([0.25, -0.5], abs=1e-12)
     # The gradient pushes the desirable log-prob up and the undesirable one down.
     lp = logps.clone().requires_grad_()
-    kto_loss(lp, ref, torch.tensor([1.0, 0.0]), 0.2, 0.5).sum().backward()
+    kto_loss(lp, ref, torch.tensor([1.0, 0.0]), 0.2, 0.5)[0].sum().backward()
     assert lp.grad[0] < 0 < lp.grad[1]
     # z0: mean log-ratio of the mismatched examples, never below 0.
     assert kl_estimate(torch.tensor([-1.0, -3.0]), torch.tensor([-2.0, -2.0])) == 0.0

@@ -1,0 +1,95 @@
+"""The run directory: a fresh run refuses a non-empty one, a resume keeps each step's metrics
+once; every tokenizer RL2 writes reloads (with AutoTokenizer) to the identical tokenisation."""
+import json
+import logging
+
+import pytest
+
+from tests.run_utils import read_metrics, run_trainer, sft_args
+
+
+def test_fresh_run_refuses_a_non_empty_run_dir(assets, tmp_path):
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "metrics.jsonl").write_text('{"step": 1}\n')
+    proc = run_trainer("sft", 1, sft_args(assets, "trainer.total_steps=1"), tmp_path, check=False)
+    assert proc.returncode != 0
+    assert "is not empty" in proc.stderr and "trainer.load_ckpt_from=latest" in proc.stderr
+    assert (tmp_path / "run" / "metrics.jsonl").read_text() == '{"step": 1}\n'  # untouched
+
+
+def test_resume_drops_metric_rows_after_its_checkpoint(tmp_path):
+    from RL2.utils.logging import keep_rows_up_to
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"step": s, "train/loss": s}) + "\n" for s in (1, 2, 3, 4)))
+    keep_rows_up_to(str(path), 2)  # a run that died at step 4 resumes from its step-2 checkpoint
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2]
+
+
+def corpus(assets) -> list[str]:
+    """Every row of the generated datasets, as raw JSON and as rendered chat."""
+    from RL2.data.io import load_rows
+
+    tok, texts = assets["tokenizer"], []
+    for name in ("sft_train", "chat_train", "pref_train", "ppo_train"):
+        for row in load_rows(f"{assets['data']}/{name}.jsonl"):
+            texts.append(json.dumps(dict(row)))
+            if "messages" in row:
+                texts.append(tok.apply_chat_template(row["messages"], tokenize=False))
+    return texts + ["Numbers 12 345 6789, spaces  and\ttabs; Ünïcode!"]
+
+
+def assert_same_tokenisation(a, b, texts):
+    bad = [t for t in texts if a.encode(t) != b.encode(t)]
+    assert not bad, f"{len(bad)} of {len(texts)} texts split differently, e.g. {bad[0]!r}"
+
+
+def test_make_assets_model_dir_tokenizer_reloads_identically(assets):
+    from transformers import AutoTokenizer
+
+    texts = corpus(assets)
+    from_tokenizer_dir = AutoTokenizer.from_pretrained(str(assets["root"] / "tokenizer"))
+    from_model_dir = AutoTokenizer.from_pretrained(assets["model"])  # rebuilt as a Qwen2Tokenizer
+    assert_same_tokenisation(assets["tokenizer"], from_tokenizer_dir, texts)
+    assert_same_tokenisation(assets["tokenizer"], from_model_dir, texts)
+
+
+def test_checkpoint_and_final_tokenizers_reload_identically(assets, tmp_path):
+    from transformers import AutoTokenizer
+
+    # Trained with the tokenizer directory (actor.tokenizer_name), saved next to a qwen2 config.
+    args = sft_args(assets, "trainer.total_steps=1", "trainer.save_freq=1",
+                    f"actor.tokenizer_name={assets['root'] / 'tokenizer'}")
+    run_trainer("sft", 1, args, tmp_path)
+    assert read_metrics(tmp_path)
+    texts = corpus(assets)
+    for d in ("step1", "final"):
+        assert_same_tokenisation(assets["tokenizer"], AutoTokenizer.from_pretrained(str(tmp_path / "run" / d)), texts)
+
+
+def test_a_tokenizer_that_reloads_differently_is_reported(assets, tmp_path, caplog):
+    """The case the check exists for: a plain byte-level BPE (not Qwen2's pipeline) saved next to
+    a qwen2 config reloads as a Qwen2Tokenizer that splits digits differently."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import AutoConfig, PreTrainedTokenizerFast
+
+    from RL2.utils.checkpoint import check_tokenizer_reload
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    bpe.train_from_iterator([f"the answer is {i}" for i in range(300)], trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<|im_end|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False))
+    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|im_end|>")
+    AutoConfig.from_pretrained(assets["model"]).save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    with caplog.at_level(logging.WARNING):
+        check_tokenizer_reload(tok, str(tmp_path))
+    assert "splits text differently" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        check_tokenizer_reload(assets["tokenizer"], assets["model"])
+    assert "splits text differently" not in caplog.text
+
+

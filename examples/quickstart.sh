@@ -12,6 +12,7 @@ python -m pip install -q -e .
 
 OUT=quickstart
 python -m RL2.tools.make_assets --out "$OUT/assets"
+rm -rf "$OUT/ckpts"   # a fresh run refuses a non-empty run directory: start clean
 
 torchrun --nproc_per_node="$NPROC" -m RL2.trainer.sft \
     actor.model_name="$OUT/assets/model" \

@@ -16,6 +16,7 @@ python -m pip install -q gguf accelerate
 OUT=smollm2_demo
 python -m RL2.tools.smollm2 --out "$OUT/model"
 python -m RL2.tools.make_assets --out "$OUT/assets"
+rm -rf "$OUT/ckpts"   # a fresh run refuses a non-empty run directory: start clean
 
 torchrun --nproc_per_node="$NPROC" -m RL2.trainer.ppo \
     actor.model_name="$OUT/model" \

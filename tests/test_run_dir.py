@@ -2,13 +2,19 @@
 once; every tokenizer RL2 writes reloads (with AutoTokenizer) to the identical tokenisation."""
 import json
 import logging
-
-import pytest
+import os
+import shutil
 
 from tests.run_utils import read_metrics, run_trainer, sft_args
 
 
 def test_fresh_run_refuses_a_non_empty_run_dir(assets, tmp_path):
+    # A run stopped before its first step leaves only config.yaml: running again is fine.
+    proc = run_trainer("sft", 1, sft_args(assets, "actor.max_length_per_device=8"), tmp_path, check=False)
+    assert proc.returncode != 0 and os.listdir(tmp_path / "run") == ["config.yaml"]
+    run_trainer("sft", 1, sft_args(assets, "trainer.total_steps=1"), tmp_path)
+    assert [r["step"] for r in read_metrics(tmp_path) if "train/loss" in r] == [1]
+    shutil.rmtree(tmp_path / "run")
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "metrics.jsonl").write_text('{"step": 1}\n')
     proc = run_trainer("sft", 1, sft_args(assets, "trainer.total_steps=1"), tmp_path, check=False)

@@ -27,7 +27,8 @@ def prepare_run_dir(cfg) -> str:
     run_dir = os.path.abspath(os.path.join(t.save_dir, t.experiment_name))
     error = [None]
     if is_rank0():
-        if not t.load_ckpt_from and os.path.isdir(run_dir) and os.listdir(run_dir):
+        # A config.yaml alone is a run that stopped before its first step (e.g. on bad data).
+        if not t.load_ckpt_from and os.path.isdir(run_dir) and set(os.listdir(run_dir)) - {"config.yaml"}:
             error[0] = (f"the run directory {run_dir} is not empty: pick a new "
                         f"trainer.experiment_name (or trainer.save_dir), delete it, or resume "
                         f"with trainer.load_ckpt_from=latest")

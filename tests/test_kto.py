@@ -108,7 +108,7 @@ def test_first_step_and_rewards_move_the_right_way(assets, serial):
 
 
 # Examples are <= 37 tokens (38 padded for sp=2), so every layout packs several micro-batches.
-BUDGETS = {"fsdp2": 80, "sp2": 40, "tp2": 40, "dp2xsp2": 48}
+BUDGETS = {"fsdp2": 80, "sp2": 40, "tp2": 40, "dp2xsp2": 48, "ddp2xfsdp2": 160}
 KEYS = ("train/loss", "train/rewards/chosen", "train/rewards/rejected", "train/kl", "train/grad_norm",
         "test/loss", "test/rewards/chosen")
 

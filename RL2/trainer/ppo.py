@@ -16,8 +16,7 @@ from functools import partial
 import torch
 
 from RL2.algorithms.advantages import OUTCOME_ESTIMATORS
-from RL2.algorithms.losses import AVG_LEVELS, KL_ESTIMATORS
-from RL2.algorithms.losses import token_metrics
+from RL2.algorithms.losses import AVG_LEVELS, KL_ESTIMATORS, token_metrics
 from RL2.data.formats import tokenize_prompt
 from RL2.data.packing import token_capacity
 from RL2.rollout.env import EnvError, load_env
@@ -196,7 +195,8 @@ class PPOTrainer(Trainer):
 
         with timed(timings, "update"):
             if self.critic is not None:
-                critic_metrics = critic_update(self.critic, samples, cfg.critic, derive_seed(cfg.trainer.seed, "minibatch", step))
+                critic_metrics = critic_update(self.critic, samples, cfg.critic,
+                                               derive_seed(cfg.trainer.seed, "minibatch", step))
                 metrics.update({f"critic/{k}": v for k, v in critic_metrics.items()})
             if step >= cfg.actor.freeze_steps:  # critic warm-up: the actor waits
                 actor_metrics = actor_update(self.actor, samples, cfg.actor, cfg.kl,

@@ -55,5 +55,5 @@ def test_quickstart_raises_greedy_test_reward_from_step_0(quickstart_assets, tmp
 
         fig = plot([str(tmp_path / "ppo" / "run")], str(tmp_path / "curves.png"))
         titles = [ax.get_title() for ax in fig.axes if ax.get_visible()]
-        assert titles == ["reward", "loss", "entropy", "KL", "response length", "step time"]
+        assert titles == ["reward", "loss", "entropy", "response length", "step time"]
         assert (tmp_path / "curves.png").stat().st_size > 10_000

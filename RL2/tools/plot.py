@@ -21,10 +21,12 @@ PANELS = [
     ("turns", "turns / trajectory", ["rollout/turns", "test/turns"]),
     ("accuracy", "accuracy", ["train/accuracy", "test/accuracy"]),
     ("step time", "seconds", ["time/rollout", "time/ref_logps", "time/values", "time/old_logps",
-                              "time/advantages", "time/update", "time/sync", "train/step_time"]),
+                              "time/advantages", "time/update", "time/sync", "time/step", "train/step_time"]),
 ]
-# Drawn only when some value changes (single-turn runs always have 1 turn).
-SKIP_IF_CONSTANT = {"turns"}
+# Drawn only when some value changes: single-turn runs always have 1 turn, and approx_kl is 0
+# with one update per rollout.
+SKIP_IF_CONSTANT = {"turns", "KL"}
+STEP_TOTALS = ("time/step", "train/step_time")
 
 
 def metrics_path(run: str) -> str:
@@ -92,35 +94,71 @@ def plot(runs: list[str], out: str):
         raise SystemExit(f"no plottable metrics in {', '.join(runs)}")
     cols = min(3, len(panels))
     rows = -(-len(panels) // cols)
-    fig = Figure(figsize=(5 * cols, 3.6 * rows), layout="constrained")
+    fig = Figure(figsize=(5 * cols, 3.6 * rows + 0.4 * (len(runs) > 1)), layout="constrained")
     axes = fig.subplots(rows, cols, squeeze=False).flatten()
     names = run_names(runs)
-    styles = ["-", "--", ":", "-."]
     for ax, (title, ylabel, keys) in zip(axes, panels):
-        for i, (name, s) in enumerate(zip(names, series)):
-            for j, key in enumerate(keys):
-                if key not in s:
-                    continue
-                steps, values = zip(*s[key])
-                # In one run colours tell keys apart; with several runs colour = run, style = key.
-                color = f"C{i}" if len(runs) > 1 else f"C{j}"
-                style = styles[j % len(styles)] if len(runs) > 1 else "-"
-                label = key if len(runs) == 1 else f"{name}: {key}"
-                ax.plot(steps, values, style, color=color, label=label,
-                        marker="o" if key.startswith("test/") else None, markersize=4)
+        if title == "step time":
+            draw_step_time(ax, keys, names, series)
+        else:
+            draw_lines(ax, keys, names, series)
         ax.set_title(title)
         ax.set_xlabel("step")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize="small")
     for ax in axes[len(panels):]:
         ax.set_visible(False)
     if len(runs) == 1:
         fig.suptitle(names[0])
+    else:  # one legend for the runs (colours); each panel's legend names its keys (styles)
+        from matplotlib.lines import Line2D
+
+        fig.legend([Line2D([], [], color=f"C{i}") for i in range(len(runs))], names,
+                   loc="outside upper center", ncols=min(len(runs), 4))
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     fig.savefig(out, dpi=100)
     return fig
+
+
+STYLES = ["-", "--", ":", "-."]
+
+
+def draw_lines(ax, keys, names, series):
+    """One run: a colour per key. Several runs: colour = run, line style = key. Lines are labelled
+    "key" (one run) or "run: key"."""
+    from matplotlib.lines import Line2D
+
+    many = len(series) > 1
+    for i, (name, s) in enumerate(zip(names, series)):
+        for j, key in enumerate(keys):
+            if key in s:
+                steps, values = zip(*s[key])
+                ax.plot(steps, values, STYLES[j % len(STYLES)] if many else "-",
+                        color=f"C{i}" if many else f"C{j}", label=f"{name}: {key}" if many else key,
+                        marker="o" if key.startswith("test/") else None, markersize=4)
+    if many:
+        ax.legend([Line2D([], [], color="0.3", linestyle=STYLES[j % len(STYLES)],
+                          marker="o" if k.startswith("test/") else None) for j, k in enumerate(keys)],
+                  keys, fontsize="small")
+    else:
+        ax.legend(fontsize="small")
+
+
+def draw_step_time(ax, keys, names, series):
+    """One run: the breakdown (rollout, log-probs, update, sync, ...) stacked per step. Several
+    runs: each run's total step time."""
+    parts = [k for k in keys if k not in STEP_TOTALS]
+    s = series[0]
+    if len(series) == 1 and any(k in s for k in parts):
+        present = [k for k in parts if k in s]
+        steps = sorted({st for k in present for st, _ in s[k]})
+        values = [[dict(s[k]).get(st, 0.0) for st in steps] for k in present]
+        ax.stackplot(steps, values, labels=present, alpha=0.8)
+        ax.legend(fontsize="small", loc="upper left")
+        return
+    totals = [k for k in STEP_TOTALS if k in keys]
+    draw_lines(ax, totals, names, series)
 
 
 def main(argv=None):

@@ -3,9 +3,9 @@
 A prompt row is `{"prompt": "Guess my number from 1 to N.", "extra_info": {"secret": s}}`. Each
 action's last integer is a guess; a wrong guess gets a new user turn with the hint, appended to
 `state + action`, so the rollout keeps ONE sequence per game (only the hint is tokenised). The
-game ends when the guess is right or after `max_guesses` guesses (extra_info / env_args, default 6;
-set actor.rollout.max_turns to the same value). An action with no integer counts as a wrong guess
-with the hint "a number please".
+game ends when the guess is right, after `max_guesses` guesses (extra_info / env_args, default 8;
+set actor.rollout.max_turns to the same value), or at once when an action holds no integer (the
+player gave up).
 
 Reward: 1 - turn_penalty * (guesses - 1) when found (turn_penalty from extra_info / env_args,
 default 0.1), else 0; the score is 1 when found, else 0 (so mean@n of the score is the success rate).
@@ -13,9 +13,11 @@ default 0.1), else 0; the score is 1 when found, else 0 (so mean@n of the score 
     python envs/guess_number.py OUT_DIR [--n-max 9] [--max-guesses 6]
 
 writes OUT_DIR/{prompts_train,prompts_test,sft_train}.jsonl: prompts with random secrets (test:
-every secret once), and SFT games of a "cautious player" who starts at 1 (half the time; else
-anywhere) and moves 1-3 toward the hint, mostly 1: the warm start that PPO then improves
-(examples/guess_number.sh). Binary search would need at most 4 guesses for 1-9.
+every secret once), and SFT games of a "cautious player" with a bad habit: in 30% of the games it
+gives up at once ("I give up."); otherwise it starts at 1 (half the time; else anywhere) and
+moves 1-3 toward the hint, mostly 1. This is the warm start that PPO then improves
+(examples/guess_number.sh): never give up (more wins), start nearer the middle and take bigger
+steps (fewer guesses per win). Binary search needs at most 4 guesses for 1-9.
 """
 import argparse
 import json
@@ -24,7 +26,7 @@ import random
 import re
 
 _INT = re.compile(r"-?\d+")
-DEFAULT_MAX_GUESSES = 6
+DEFAULT_MAX_GUESSES = 8
 DEFAULT_TURN_PENALTY = 0.1
 
 
@@ -37,9 +39,7 @@ def prompt(n_max: int) -> str:
     return f"Guess my number from 1 to {n_max}."
 
 
-def hint(guess: int | None, secret: int) -> str:
-    if guess is None:
-        return "a number please"
+def hint(guess: int, secret: int) -> str:
     return "higher" if secret > guess else "lower"
 
 
@@ -52,15 +52,18 @@ async def step(state: str, action: str, extra_info: dict) -> dict:
         penalty = float(extra_info.get("turn_penalty", DEFAULT_TURN_PENALTY))
         return {"next_state": None, "reward": max(0.0, 1.0 - penalty * (guesses - 1)), "score": 1.0,
                 "done": True}
-    if guesses >= int(extra_info.get("max_guesses", DEFAULT_MAX_GUESSES)):
+    if guess is None or guesses >= int(extra_info.get("max_guesses", DEFAULT_MAX_GUESSES)):
         return {"next_state": None, "reward": 0.0, "score": 0.0, "done": True}
     return {"next_state": state + action + user_turn(hint(guess, secret)), "reward": 0.0, "score": 0.0,
             "done": False, "extra_info": {**extra_info, "guesses": guesses}}
 
 
-def cautious_game(secret: int, n_max: int, max_guesses: int, rng: random.Random) -> list[dict]:
+def cautious_game(secret: int, n_max: int, max_guesses: int, rng: random.Random,
+                  give_up: float = 0.3) -> list[dict]:
     """Chat messages of one game of the cautious player."""
     messages = [{"role": "user", "content": prompt(n_max)}]
+    if rng.random() < give_up:
+        return messages + [{"role": "assistant", "content": "I give up."}]
     guess = 1 if rng.random() < 0.5 else rng.randint(1, n_max)
     for _ in range(max_guesses):
         messages.append({"role": "assistant", "content": str(guess)})

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Multi-turn agent on CPU: guess-the-number (envs/guess_number.py). The environment answers each
 # guess with "higher" or "lower" in the same conversation; a win after k guesses is rewarded
-# 1 - 0.1 (k - 1). A tiny model is SFT-warmed on games of a cautious player (starts at 1 half the
-# time, then steps 1-3 toward the hint), then PPO (GRPO-style groups) makes it win more often in
-# fewer guesses. Test: 16 sampled games per secret 1-9, before training (step 0) and every 20 steps.
+# 1 - 0.1 (k - 1), at most 8 guesses. A tiny model is SFT-warmed on games of a cautious player
+# with a bad habit (gives up at once in 30% of games; else starts at 1 half the time and steps 1-3
+# toward the hint), then PPO (Dr. GRPO groups) makes it win more often in fewer
+# guesses. Test: 32 sampled games per secret 1-9 before training (step 0) and every 20 steps.
 # Usage: bash examples/guess_number.sh [NPROC]      (default 2 processes; ~5 minutes on 2 cores)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -15,7 +16,7 @@ python -m pip install -q -e ".[plot]"
 OUT=guess_demo
 rm -rf "$OUT/ckpts"  # a fresh run each time (metrics.jsonl is appended to, for resumed runs)
 python -m RL2.tools.make_assets --out "$OUT/assets"
-python envs/guess_number.py "$OUT/game"   # prompts (secret 1-9, at most 6 guesses) + SFT games
+python envs/guess_number.py "$OUT/game"   # prompts (secret 1-9, at most 8 guesses) + SFT games
 
 torchrun --nproc_per_node="$NPROC" -m RL2.trainer.sft \
     actor.model_name="$OUT/assets/model" data.train.path="$OUT/game/sft_train.jsonl" \
@@ -25,11 +26,11 @@ torchrun --nproc_per_node="$NPROC" -m RL2.trainer.sft \
 torchrun --nproc_per_node="$NPROC" -m RL2.trainer.ppo \
     actor.model_name="$OUT/ckpts/sft/final" \
     data.train.path="$OUT/game/prompts_train.jsonl" data.test.path="$OUT/game/prompts_test.jsonl" \
-    actor.rollout.env_path=envs/guess_number.py actor.rollout.max_turns=6 \
+    actor.rollout.env_path=envs/guess_number.py actor.rollout.max_turns=8 \
     actor.rollout.prompts_per_rollout=16 actor.rollout.responses_per_prompt=8 \
     actor.rollout.train_sampling_params.max_new_tokens=4 \
     actor.rollout.test_sampling_params.max_new_tokens=4 \
-    actor.rollout.test_sampling_params.temperature=1.0 actor.rollout.test_responses_per_prompt=16 \
+    actor.rollout.test_sampling_params.temperature=1.0 actor.rollout.test_responses_per_prompt=32 \
     actor.avg_level=sequence actor.lr=1e-3 trainer.total_steps=60 trainer.test_freq=20 \
     trainer.save_dir="$OUT/ckpts" trainer.experiment_name=ppo
 

@@ -1,23 +1,26 @@
 #!/usr/bin/env bash
 # Quick-start on CPU, from a fresh clone: install, build offline assets (tokenizer, tiny Qwen2,
-# arithmetic data), SFT warm start on noisy answers, then GRPO-style PPO that raises the reward.
-# Usage: bash examples/quickstart.sh [NPROC]      (default 2 processes; ~1-2 minutes on 2 cores)
+# arithmetic data), SFT warm start on answers with a systematic mistake (a+b+1 is more frequent than
+# a+b), then GRPO-style PPO with an answer checker, which fixes the mistake: the greedy test reward
+# (evaluated at step 0, 10, 20, 30) rises. Ends by writing a PNG of the curves.
+# Usage: bash examples/quickstart.sh [NPROC]      (default 2 processes; ~2-3 minutes on 2 cores)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 NPROC="${1:-2}"
 export PIP_ROOT_USER_ACTION=ignore PIP_DISABLE_PIP_VERSION_CHECK=1
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" TOKENIZERS_PARALLELISM=false WANDB_MODE=offline
 python -m pip install -q "torch==2.13.0"   # the CPU wheel on our machines; use your own torch on GPU
-python -m pip install -q -e .
+python -m pip install -q -e ".[plot]"
 
 OUT=quickstart
+rm -rf "$OUT/ckpts"  # a fresh run each time (metrics.jsonl is appended to, for resumed runs)
 python -m RL2.tools.make_assets --out "$OUT/assets"
 rm -rf "$OUT/ckpts"   # a fresh run refuses a non-empty run directory: start clean
 
 torchrun --nproc_per_node="$NPROC" -m RL2.trainer.sft \
     actor.model_name="$OUT/assets/model" \
-    data.train.path="$OUT/assets/data/sft_noisy_train.jsonl" \
-    data.test.path="$OUT/assets/data/sft_noisy_test.jsonl" \
+    data.train.path="$OUT/assets/data/sft_biased_train.jsonl" \
+    data.test.path="$OUT/assets/data/sft_biased_test.jsonl" \
     data.train.batch_size=32 actor.lr=3e-3 actor.scheduler=cosine trainer.n_epochs=8 \
     trainer.save_dir="$OUT/ckpts" trainer.experiment_name=sft
 
@@ -38,6 +41,8 @@ rows = [json.loads(l) for l in open(sys.argv[1])]
 r = [x["rollout/reward"] for x in rows if "rollout/reward" in x]
 t = [(x["step"], x["test/reward"]) for x in rows if "test/reward" in x]
 k = max(1, len(r) // 5)
-print(f"PPO train reward: first {k} steps {sum(r[:k]) / k:.3f} -> last {k} steps {sum(r[-k:]) / k:.3f}")
-print("test reward (greedy) by step:", ", ".join(f"{s}: {v:.3f}" for s, v in t))
+print(f"PPO train reward (sampled): first {k} steps {sum(r[:k]) / k:.3f} -> last {k} steps {sum(r[-k:]) / k:.3f}")
+print(f"test reward (greedy): step {t[0][0]} {t[0][1]:.3f} -> step {t[-1][0]} {t[-1][1]:.3f}  (",
+      ", ".join(f"{s}: {v:.3f}" for s, v in t), ")")
 PY
+echo "curves: $(python -m RL2.tools.plot "$OUT/ckpts/ppo")"

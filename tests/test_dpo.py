@@ -25,7 +25,12 @@ def serial(assets, tmp_path_factory):
 
 
 def test_first_step_is_log2_and_matches_hf(assets, serial):
-    first = read_metrics(serial("float32"))[0]
+    rows = read_metrics(serial("float32"))
+    first = next(r for r in rows if "train/dpo_loss" in r)
+    # trainer.test_at_start: the step-0 test row sees the same policy == reference.
+    start = rows[0]
+    assert start["step"] == 0 and abs(start["test/rewards/margin"]) < 1e-6
+    assert abs(start["test/loss"] - math.log(2)) < 1e-6
     # Policy == reference: every log-ratio is 0, so the DPO loss is log(2) and margins are 0.
     assert abs(first["train/dpo_loss"] - math.log(2)) < 1e-6
     for key in ("train/rewards/chosen", "train/rewards/rejected", "train/rewards/margin"):

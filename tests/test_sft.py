@@ -21,29 +21,46 @@ def test_parallel_equals_serial(assets, serial, tmp_path, name, dtype, rtol):
     assert_close(train_rows(tmp_path, "test/loss"), train_rows(serial[dtype], "test/loss"), rtol, "test/loss")
 
 
-def test_loss_decreases_and_hf_export_reproduces_test_loss(assets, serial):
-    rows = read_metrics(serial["float32"])
-    losses = [r["train/loss"] for r in rows if "train/loss" in r]
-    assert losses[-1] < losses[0]
-    # The exported HF model, run by plain HF (no packing), gives the trainer's final test loss.
+def hf_test_loss(model_dir, data_dir) -> float:
+    """Token-mean NLL of the SFT test split under plain HF (no packing, eager attention)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from RL2.data.formats import tokenize_sft
     from RL2.data.io import load_rows
 
-    final = os.path.join(serial["float32"], "run", "final")
-    model = AutoModelForCausalLM.from_pretrained(final, attn_implementation="eager")
-    tok = AutoTokenizer.from_pretrained(final)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager")
+    tok = AutoTokenizer.from_pretrained(model_dir)
     total, n = 0.0, 0
-    for i, row in enumerate(load_rows(f"{assets['data']}/sft_test.jsonl")):
+    for i, row in enumerate(load_rows(f"{data_dir}/sft_test.jsonl")):
         s = tokenize_sft(row, tok, max_length=1024, row_index=i, source="test")
         with torch.no_grad():
             logits = model(input_ids=s["input_ids"][None]).logits[0]
         logps = logits.log_softmax(-1).gather(-1, s["labels"][:, None])[:, 0]
         total -= (logps * s["action_mask"]).sum().item()
         n += s["action_mask"].sum().item()
-    expected = [r["test/loss"] for r in rows if "test/loss" in r][-1]
-    assert math.isclose(total / n, expected, rel_tol=1e-5)
+    return total / n
+
+
+def test_loss_decreases_and_hf_export_reproduces_test_loss(assets, serial):
+    rows = read_metrics(serial["float32"])
+    losses = [r["train/loss"] for r in rows if "train/loss" in r]
+    assert losses[-1] < losses[0]
+    # The exported HF model, run by plain HF (no packing), gives the trainer's final test loss.
+    tests = [(r["step"], r["test/loss"]) for r in rows if "test/loss" in r]
+    final = os.path.join(serial["float32"], "run", "final")
+    assert math.isclose(hf_test_loss(final, assets["data"]), tests[-1][1], rel_tol=1e-5)
+    # trainer.test_at_start (default): step 0 is the test loss of the initial model.
+    assert [s for s, _ in tests] == [0, 3]
+    assert math.isclose(hf_test_loss(assets["model"], assets["data"]), tests[0][1], rel_tol=1e-5)
+    assert tests[-1][1] < tests[0][1]
+
+
+def test_evaluating_at_start_does_not_change_training(assets, serial, tmp_path):
+    run_trainer("sft", 1, sft_args(assets, "actor.dtype=float64", "actor.max_length_per_device=4096",
+                                   "trainer.test_at_start=false"), tmp_path)
+    assert [r["step"] for r in read_metrics(tmp_path) if "test/loss" in r] == [3]
+    for key in ("train/loss", "train/grad_norm"):
+        assert train_rows(tmp_path, key) == train_rows(serial["float64"], key), key
 
 
 @pytest.mark.slow

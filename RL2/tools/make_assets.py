@@ -122,10 +122,20 @@ def _arith(rng):
     return f"What is {a} plus {b}?", str(a + b)
 
 
+def _biased_answer(a: int, rng) -> str:
+    u = rng.random()
+    if u < 0.3:
+        return str(a)
+    if u < 0.8:
+        return str(a + 1)
+    return str(rng.choice([x for x in range(10) if x not in (a, a + 1)]))
+
+
 def write_datasets(out_dir: str, n_train: int = 1024, n_test: int = 64, seed: int = 0):
     """SFT (raw text + chat), preference pairs and PPO prompts as JSONL files."""
     os.makedirs(out_dir, exist_ok=True)
     rng = random.Random(seed)
+    bias_rng = random.Random(seed + 1)  # its own stream: the other files stay as they were
 
     def dump(name, rows):
         with open(os.path.join(out_dir, name), "w") as f:
@@ -140,6 +150,11 @@ def write_datasets(out_dir: str, n_train: int = 1024, n_test: int = 64, seed: in
         dump(f"sft_noisy_{split}.jsonl", [
             {"prompt": q, "response": a if rng.random() < 0.5 else str((int(a) + rng.randint(1, 3)) % 10)}
             for q, a in qa])
+        # A systematic mistake: "a + b + 1" is more frequent than the right answer, so SFT's greedy
+        # answer is mostly wrong while sampling is right ~30% of the time; RL with the verifier
+        # must move the mode (the quick-start demo: greedy test reward rises from step 0).
+        dump(f"sft_biased_{split}.jsonl", [
+            {"prompt": q, "response": _biased_answer(int(a), bias_rng)} for q, a in qa])
         dump(f"chat_{split}.jsonl", [{"messages": [
             {"role": "user", "content": q}, {"role": "assistant", "content": f"The answer is {a}."},
         ]} for q, a in qa])

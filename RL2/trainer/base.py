@@ -203,6 +203,10 @@ class Trainer:
             metrics_log.log(self.evaluate(), self.step, advance=False)
             metrics_log.close()
             return
+        if t.test_at_start and self.step == 0:  # where the run started (not repeated on resume)
+            start_eval = self.evaluate()
+            if start_eval:
+                metrics_log.log(start_eval, 0, advance=False)
         while self.step < total_steps:
             metrics = self.train_step(self.step)
             self.step += 1

@@ -17,8 +17,12 @@ vLLM's weight-transfer API (start -> update per bucket -> finish with a version)
 `rl2_gloo` on CPU (RL2/rollout/vllm_transfer.py), `nccl` on CUDA (not run here).
 """
 import asyncio
+import concurrent.futures
+import json
 import logging
-import os
+import time
+import urllib.error
+import urllib.request
 import uuid
 from typing import Iterable
 
@@ -82,10 +86,23 @@ class _VLLMBase(Engine):
 
     async def _connect(self) -> None:
         """First sync: the workers join the trainer's gloo group inside their init RPC."""
-        sender = GlooSender(n_workers=self.n_workers, timeout_s=self.timeout_s)
+        sender = self._new_sender()
         await asyncio.gather(self._control("init_weight_transfer_engine", sender.init_info()),
                              asyncio.to_thread(sender.connect))
         self._sender = sender
+
+    def _new_sender(self) -> GlooSender:
+        return GlooSender(n_workers=self.n_workers, timeout_s=self.timeout_s)
+
+    def _close_loop(self) -> None:
+        """Let the loop's tasks (vLLM's output handler) end before it closes."""
+        if self.loop.is_closed() or self.loop.is_running():
+            return
+        pending = asyncio.all_tasks(self.loop)
+        for task in pending:
+            task.cancel()
+        self.loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+        self.loop.close()
 
     async def _update(self, named_tensors) -> None:
         if self._sender is None:
@@ -106,7 +123,7 @@ class _VLLMBase(Engine):
 
 
 class VLLMEngine(_VLLMBase):
-    def __init__(self, model_path: str, tokenizer=None, *, dtype: str = "float32",
+    def __init__(self, model_path: str, tokenizer=None, *, dtype: str | None = None,
                  max_model_len: int = 2048, tp_size: int = 1, kv_cache_mb: int = 256,
                  bucket_mb: float = 512, timeout_s: float = 600.0, seed: int = 0, **engine_args):
         """Extra keyword arguments go to vLLM's `AsyncEngineArgs`. `kv_cache_mb` bounds the
@@ -116,9 +133,10 @@ class VLLMEngine(_VLLMBase):
             from vllm.v1.engine.async_llm import AsyncLLM
         except ImportError as e:
             raise ImportError(f"{MISSING} ({e})") from None
+        cuda = torch.cuda.is_available()
+        dtype = dtype or ("bfloat16" if cuda else "float32")
         self._setup(tokenizer, max_model_len, dtype, bucket_mb, timeout_s)
         self.n_workers = tp_size
-        cuda = torch.cuda.is_available()
         args = dict(model=model_path, dtype=dtype, max_model_len=max_model_len,
                     tensor_parallel_size=tp_size, seed=seed, enforce_eager=not cuda,
                     logprobs_mode="processed_logprobs", enable_sleep_mode=cuda,
@@ -174,7 +192,87 @@ class VLLMEngine(_VLLMBase):
         self._released = False
 
     def shutdown(self) -> None:
-        self.llm.shutdown()
+        if self.llm is not None:
+            self.llm.shutdown()
+            self.llm = None  # collected now, not during interpreter exit
         self._sender = None
-        if not self.loop.is_closed():
-            self.loop.close()
+        self._close_loop()
+
+
+class VLLMServerEngine(_VLLMBase):
+    """A running `vllm serve` (started with `VLLM_SERVER_DEV_MODE=1`, `--enable-scale-out`,
+    `--logprobs-mode processed_logprobs` and `--weight-transfer-config '{"backend": "rl2_gloo"}'`
+    on CPU). Only the standard library is used here: the trainer needs no vLLM."""
+
+    def __init__(self, url: str, tokenizer=None, *, max_model_len: int = 2048,
+                 dtype: str = "float32", bucket_mb: float = 512, timeout_s: float = 600.0,
+                 connect_timeout_s: float = 30.0, transfer_host: str = "127.0.0.1", **_):
+        """`connect_timeout_s`: how long to wait for the server's /health at start.
+        `transfer_host`: this machine's address as the server sees it (weight-sync group)."""
+        self._setup(tokenizer, max_model_len, dtype, bucket_mb, timeout_s)
+        self.url, self.transfer_host = url.rstrip("/"), transfer_host
+        # blocking HTTP calls run here: the default executor has only cores + 4 threads
+        self._pool = concurrent.futures.ThreadPoolExecutor(64, thread_name_prefix="rl2-vllm-http")
+        deadline = time.monotonic() + connect_timeout_s
+        while True:
+            try:
+                self._http("GET", "/health", timeout=5)
+                break
+            except RuntimeError as e:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"vLLM server {self.url} not reachable within "
+                                       f"{connect_timeout_s:.0f} s: {e}") from None
+                time.sleep(1)
+        self.n_workers = int(self._http("GET", "/get_world_size")["world_size"])
+
+    def _http(self, method: str, path: str, body=None, timeout: float | None = None):
+        """One bounded request; any failure (refused, timeout, HTTP error) names the server."""
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(self.url + path, data=data, method=method,
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout or self.timeout_s) as resp:
+                raw = resp.read()
+        except urllib.error.HTTPError as e:
+            detail = e.read().decode(errors="replace")[:500]
+            raise RuntimeError(f"vLLM server {self.url}{path}: HTTP {e.code}: {detail}") from None
+        except (urllib.error.URLError, OSError) as e:
+            raise RuntimeError(f"vLLM server {self.url}{path} failed: {e}") from None
+        return json.loads(raw) if raw else None
+
+    async def _generate_one(self, prompt: list[int], sampling: dict) -> GenerationOutput:
+        body = {"token_ids": prompt, "sampling_params": sampling, "output_mode": "tokens"}
+        out = await asyncio.get_running_loop().run_in_executor(
+            self._pool, self._http, "POST", "/inference/v1/generate", body)
+        c = out["choices"][0]
+        ids = [int(t) for t in c.get("token_ids") or []]
+        content = (c.get("logprobs") or {}).get("content") or []
+        return GenerationOutput(ids, [float(e["logprob"]) for e in content], _finish(c.get("finish_reason")))
+
+    async def _control(self, method: str, payload=None):
+        body = {"init_weight_transfer_engine": {"init_info": payload},
+                "update_weights": {"update_info": payload},
+                "finish_weight_update": {"weight_version": payload}}.get(method)
+        return await asyncio.to_thread(self._http, "POST", "/" + method, body)
+
+    def _new_sender(self) -> GlooSender:
+        return GlooSender(n_workers=self.n_workers, timeout_s=self.timeout_s, host=self.transfer_host)
+
+    def weight_version(self) -> str:
+        return self._http("GET", "/weight_info")["weight_version"]
+
+    def release_memory(self, tags: list[str] | None = None) -> None:
+        self._released = True  # the server keeps its memory (it may serve others)
+
+    def resume_memory(self, tags: list[str] | None = None) -> None:
+        self._released = False
+
+    def shutdown(self) -> None:
+        if self._sender is not None:
+            try:
+                self._http("POST", "/shutdown_weight_transfer_engine", timeout=10)
+            except RuntimeError as e:
+                logger.warning("%s", e)
+        self._sender = None
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._close_loop()

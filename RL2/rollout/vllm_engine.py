@@ -216,7 +216,7 @@ class VLLMServerEngine(_VLLMBase):
         deadline = time.monotonic() + connect_timeout_s
         while True:
             try:
-                self._http("GET", "/health", timeout=5)
+                self._http("GET", "/health", timeout=max(1.0, min(5.0, connect_timeout_s)))
                 break
             except RuntimeError as e:
                 if time.monotonic() > deadline:

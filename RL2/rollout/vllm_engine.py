@@ -14,7 +14,8 @@ log-probs from vLLM's `logprobs_mode="processed_logprobs"` (the server must be s
 greedy, which equals RL2's convention when top_p = 1 and top_k is off (with top-p/top-k vLLM
 renormalises over the kept tokens first: those log-probs are >= the trainer's); weight sync via
 vLLM's weight-transfer API (start -> update per bucket -> finish with a version), backend
-`rl2_gloo` on CPU (RL2/rollout/vllm_transfer.py), `nccl` on CUDA (not run here).
+`rl2_gloo` on CPU (RL2/rollout/vllm_transfer.py), vLLM's `nccl` on CUDA (colocated only; NOT
+RUN: no GPU here).
 """
 import asyncio
 import concurrent.futures
@@ -29,7 +30,7 @@ from typing import Iterable
 import torch
 
 from RL2.rollout.engine import Engine, GenerationOutput, SamplingParams, derive_seed
-from RL2.rollout.vllm_transfer import BACKEND, GlooSender, make_buckets
+from RL2.rollout.vllm_transfer import BACKEND, GlooSender, NcclSender, make_buckets
 
 logger = logging.getLogger(__name__)
 
@@ -91,8 +92,9 @@ class _VLLMBase(Engine):
                              asyncio.to_thread(sender.connect))
         self._sender = sender
 
-    def _new_sender(self) -> GlooSender:
-        return GlooSender(n_workers=self.n_workers, timeout_s=self.timeout_s)
+    def _new_sender(self):
+        cls = NcclSender if torch.cuda.is_available() else GlooSender
+        return cls(n_workers=self.n_workers, timeout_s=self.timeout_s)
 
     def _close_loop(self) -> None:
         """Let the loop's tasks (vLLM's output handler) end before it closes."""
@@ -111,7 +113,7 @@ class _VLLMBase(Engine):
         cast = ((n, t.to(self.dtype) if t.is_floating_point() else t) for n, t in named_tensors)
         for bucket in make_buckets(cast, self.bucket_bytes):
             # the worker's receive (inside the RPC) and our broadcast meet in one gloo call
-            await asyncio.gather(self._control("update_weights", GlooSender.update_info(bucket)),
+            await asyncio.gather(self._control("update_weights", self._sender.update_info(bucket)),
                                  asyncio.to_thread(self._sender.send, bucket))
         self.version += 1
         await self._control("finish_weight_update", str(self.version))
@@ -149,9 +151,6 @@ class VLLMEngine(_VLLMBase):
             return AsyncLLM.from_engine_args(AsyncEngineArgs(**args))
 
         self.llm = self.loop.run_until_complete(build())
-        if cuda:
-            logger.warning("vLLM on CUDA: weight sync uses the rl2_gloo path only on CPU; the "
-                           "nccl path is not implemented in RL2 yet")
 
     async def _generate_one(self, prompt: list[int], sampling: dict) -> GenerationOutput:
         from vllm import SamplingParams as VSamplingParams

@@ -122,3 +122,37 @@ class GlooSender:
     def close(self) -> None:
         self.group = None
         self.store = None
+
+
+class NcclSender:
+    """CUDA: vLLM's own `nccl` backend in its unpacked wire mode (one broadcast per tensor, as
+    `NCCLTrainerWeightTransferEngine` does with packed=False), through vLLM's public rendezvous
+    helper; same interface as GlooSender. NOT RUN: no GPU was available."""
+
+    def __init__(self, n_workers: int = 1, timeout_s: float = 300.0, host: str = "127.0.0.1"):
+        import socket
+
+        with socket.socket() as s:
+            s.bind((host, 0))
+            self.port = s.getsockname()[1]
+        self.host, self.world_size, self.group = host, 1 + n_workers, None
+
+    def init_info(self) -> dict:
+        return {"master_address": self.host, "master_port": self.port, "rank_offset": 1,
+                "world_size": self.world_size, "packed": False}
+
+    def connect(self) -> None:
+        from vllm.distributed.weight_transfer.nccl_common import trainer_init
+
+        self.group = trainer_init(self.init_info(), rank=0)
+
+    update_info = staticmethod(GlooSender.update_info)  # same fields as NCCLWeightTransferUpdateInfo
+
+    def send(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
+        stream = torch.cuda.current_stream()
+        for _, t in bucket:
+            self.group.broadcast(t.cuda().contiguous(), src=0, stream=stream)
+        stream.synchronize()
+
+    def close(self) -> None:
+        self.group = None

@@ -145,6 +145,11 @@ class VLLMEngine(_VLLMBase):
                     weight_transfer_config={"backend": "nccl" if cuda else BACKEND})
         if not cuda:
             args["kv_cache_memory_bytes"] = kv_cache_mb << 20
+            # vLLM 0.32's CPU worker crashes ("CPU Generator does not use offset") when a seeded
+            # request's prefill is split over steps (gpu_model_runner rewinds the generator of a
+            # discarded sample): admit prompts whole.
+            args.update(enable_chunked_prefill=False,
+                        max_num_batched_tokens=max(int(max_model_len), 8192))
         args.update(engine_args)
 
         async def build():  # inside the loop: AsyncLLM binds its output handler to it
@@ -200,8 +205,8 @@ class VLLMEngine(_VLLMBase):
 
 class VLLMServerEngine(_VLLMBase):
     """A running `vllm serve` (started with `VLLM_SERVER_DEV_MODE=1`, `--enable-scale-out`,
-    `--logprobs-mode processed_logprobs` and `--weight-transfer-config '{"backend": "rl2_gloo"}'`
-    on CPU). Only the standard library is used here: the trainer needs no vLLM."""
+    `--logprobs-mode processed_logprobs`, and on CPU `--weight-transfer-config
+    '{"backend": "rl2_gloo"}' --no-enable-chunked-prefill --max-num-batched-tokens 8192`). Only the standard library is used here: the trainer needs no vLLM."""
 
     def __init__(self, url: str, tokenizer=None, *, max_model_len: int = 2048,
                  dtype: str = "float32", bucket_mb: float = 512, timeout_s: float = 600.0,

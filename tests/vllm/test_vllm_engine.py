@@ -89,6 +89,16 @@ def test_weight_sync_then_engine_logprobs_equal_the_trainer_model(engine, vllm_m
     engine.update_weights(AutoModelForCausalLM.from_pretrained(vllm_model).state_dict().items())
 
 
+def test_many_seeded_requests_at_once(engine, assets):
+    """More prompt tokens than one scheduler step takes: with chunked prefill vLLM 0.32's CPU
+    worker died rewinding a seeded request's generator (see VLLMEngine)."""
+    base = prompt_ids(assets["tokenizer"])
+    prompts = [(base[i % 4] * 30)[:100] for i in range(96)]  # 9600 prompt tokens
+    params = SamplingParams(temperature=1.0, max_new_tokens=4, seed=7)
+    outs = run(engine, *[engine.generate(p, params) for p in prompts])
+    assert all(len(o[0].token_ids) == len(o[0].logprobs) >= 1 for o in outs)
+
+
 def test_stop_token_ids_and_stop_strings_end_the_output(engine, assets):
     tok = assets["tokenizer"]
     prompt = prompt_ids(tok)[0]

@@ -26,6 +26,7 @@ def start_server(model: str, log_path):
            "--host", "127.0.0.1", "--dtype", "float32", "--max-model-len", "128", "--enforce-eager",
            "--enable-scale-out", "--logprobs-mode", "processed_logprobs",
            "--kv-cache-memory-bytes", str(64 << 20),
+           "--no-enable-chunked-prefill", "--max-num-batched-tokens", "8192",
            "--weight-transfer-config", json.dumps({"backend": "rl2_gloo"})]
     env = dict(os.environ, VLLM_SERVER_DEV_MODE="1")
     log = open(log_path, "w")

@@ -54,6 +54,7 @@ class _VLLMBase(Engine):
         self.version = 0
         self._sender = None
         self._released = False
+        self.ignore_eos = False
         self.loop = asyncio.new_event_loop()  # rollouts and control calls run on this loop
 
     def _sampling(self, prompt_len: int, params: SamplingParams, seed: int | None) -> dict:
@@ -67,7 +68,8 @@ class _VLLMBase(Engine):
                     max_tokens=min(params.max_new_tokens, room),
                     stop=list(params.stop), stop_token_ids=[int(t) for t in params.stop_token_ids],
                     include_stop_str_in_output=True, skip_special_tokens=False,
-                    logprobs=0, seed=None if greedy else seed)
+                    logprobs=0, seed=None if greedy else seed,
+                    ignore_eos=self.ignore_eos)
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> list[GenerationOutput]:
         if self._released:
@@ -127,9 +129,11 @@ class _VLLMBase(Engine):
 class VLLMEngine(_VLLMBase):
     def __init__(self, model_path: str, tokenizer=None, *, dtype: str | None = None,
                  max_model_len: int = 2048, tp_size: int = 1, kv_cache_mb: int = 256,
-                 bucket_mb: float = 512, timeout_s: float = 600.0, seed: int = 0, **engine_args):
+                 bucket_mb: float = 512, timeout_s: float = 600.0, seed: int = 0,
+                 ignore_eos: bool = False, **engine_args):
         """Extra keyword arguments go to vLLM's `AsyncEngineArgs`. `kv_cache_mb` bounds the
-        KV cache (CPU; on CUDA pass gpu_memory_utilization instead)."""
+        KV cache (CPU; on CUDA pass gpu_memory_utilization instead). `ignore_eos`: only stop
+        ids/strings and lengths end a response (benchmarks)."""
         try:
             from vllm.engine.arg_utils import AsyncEngineArgs
             from vllm.v1.engine.async_llm import AsyncLLM
@@ -138,7 +142,7 @@ class VLLMEngine(_VLLMBase):
         cuda = torch.cuda.is_available()
         dtype = dtype or ("bfloat16" if cuda else "float32")
         self._setup(tokenizer, max_model_len, dtype, bucket_mb, timeout_s)
-        self.n_workers = tp_size
+        self.n_workers, self.ignore_eos = tp_size, ignore_eos
         args = dict(model=model_path, dtype=dtype, max_model_len=max_model_len,
                     tensor_parallel_size=tp_size, seed=seed, enforce_eager=not cuda,
                     logprobs_mode="processed_logprobs", enable_sleep_mode=cuda,

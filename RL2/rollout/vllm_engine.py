@@ -105,7 +105,8 @@ class _VLLMBase(Engine):
         pending = asyncio.all_tasks(self.loop)
         for task in pending:
             task.cancel()
-        self.loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+        if pending:  # (an empty gather would belong to the thread's current loop)
+            self.loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
         self.loop.close()
 
     async def _update(self, named_tensors) -> None:

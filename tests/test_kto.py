@@ -88,7 +88,7 @@ def test_first_step_and_rewards_move_the_right_way(assets, serial):
     from RL2.data.loader import StepSampler
 
     rows = read_metrics(serial("float32"))
-    first = rows[0]
+    first = next(r for r in rows if "train/loss" in r)
     # Policy == reference: every log-ratio and z0 are 0 (up to fp32 rounding of two passes), so
     # each example loses half its weight: 1/2 (desirable) or 1.5/2 (undesirable).
     train = load_rows(unpaired_file(assets, "train", assets["root"]))
@@ -98,13 +98,16 @@ def test_first_step_and_rewards_move_the_right_way(assets, serial):
     for key in ("train/kl", "train/rewards/chosen", "train/rewards/rejected"):
         assert abs(first[key]) < 1e-5, key
     assert first["train/tokens"] > first["train/loss_tokens"] > 0
-    tests = [r for r in rows if "test/loss" in r]
-    assert len(tests) == 2  # steps 2 and 4
+    start, *tests = [r for r in rows if "test/loss" in r]
+    assert [r["step"] for r in (start, *tests)] == [0, 2, 4]  # trainer.test_at_start, test_freq=2
+    # Step 0 (policy == reference): rewards 0; the test split is half desirable, half not.
+    assert abs(start["test/rewards/chosen"]) < 1e-5 and abs(start["test/rewards/rejected"]) < 1e-5
+    assert math.isclose(start["test/loss"], (0.5 + 0.75) / 2, abs_tol=1e-6)
     for r in tests:
         assert r["test/rewards/chosen"] > 0 > r["test/rewards/rejected"]
     assert tests[-1]["test/rewards/chosen"] - tests[-1]["test/rewards/rejected"] > \
         tests[0]["test/rewards/chosen"] - tests[0]["test/rewards/rejected"]
-    assert tests[-1]["test/loss"] < tests[0]["test/loss"] < (1.0 + 1.5) / 4
+    assert tests[-1]["test/loss"] < tests[0]["test/loss"] < start["test/loss"]
 
 
 # Examples are <= 37 tokens (38 padded for sp=2), so every layout packs several micro-batches.

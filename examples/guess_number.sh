@@ -14,7 +14,7 @@ export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" TOKENIZERS_PARALLELISM=false WAND
 python -m pip install -q -e ".[plot]"
 
 OUT=guess_demo
-rm -rf "$OUT/ckpts"  # a fresh run each time (metrics.jsonl is appended to, for resumed runs)
+rm -rf "$OUT/ckpts"  # a fresh run refuses a non-empty run directory: start clean
 python -m RL2.tools.make_assets --out "$OUT/assets"
 python envs/guess_number.py "$OUT/game"   # prompts (secret 1-9, at most 8 guesses) + SFT games
 

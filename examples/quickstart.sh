@@ -13,9 +13,8 @@ python -m pip install -q "torch==2.13.0"   # the CPU wheel on our machines; use 
 python -m pip install -q -e ".[plot]"
 
 OUT=quickstart
-rm -rf "$OUT/ckpts"  # a fresh run each time (metrics.jsonl is appended to, for resumed runs)
-python -m RL2.tools.make_assets --out "$OUT/assets"
 rm -rf "$OUT/ckpts"   # a fresh run refuses a non-empty run directory: start clean
+python -m RL2.tools.make_assets --out "$OUT/assets"
 
 torchrun --nproc_per_node="$NPROC" -m RL2.trainer.sft \
     actor.model_name="$OUT/assets/model" \

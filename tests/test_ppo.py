@@ -11,7 +11,7 @@ from RL2.rollout.rollout import Rollout, shape_overlong
 from RL2.rollout.trajectory import Trajectory
 from RL2.trainer.ppo import check_config
 from RL2.utils.config import load_config
-from RL2.workers.ppo_update import compute_advantages, mini_batches
+from RL2.algorithms.ppo import compute_advantages, mini_batches
 
 REQUIRED = ["actor.model_name=m", "data.train.path=d", "actor.rollout.env_path=e"]
 
@@ -196,6 +196,12 @@ def test_refills_are_bounded_and_failures_over_budget_stop_the_run(tmp_path, mon
     (["actor.rollout.overlong_buffer=200"], "overlong_buffer"),
     (["actor.rollout.weight_sync=nccl"], "actor.rollout.weight_sync"),
     (["actor.rollout.bucket_mb=0"], "actor.rollout.bucket_mb"),
+    (["actor.policy_loss=grpo"], "actor.policy_loss"),
+    (["actor.policy_loss=cispo", "actor.dual_clip=3"], "actor.dual_clip"),
+    (["actor.update_epochs=0"], "actor.update_epochs"),
+    (["actor.rollout.pass_k=[1,4]", "actor.rollout.test_responses_per_prompt=2"], "actor.rollout.pass_k"),
+    (["actor.strict_on_policy=true", "actor.update_epochs=2"], "strict_on_policy needs an on-policy"),
+    (["actor.strict_on_policy=true", "actor.update_per_rollout=2"], "strict_on_policy needs an on-policy"),
 ])
 def test_bad_configs_stop_with_the_key_to_change(overrides, message):
     with pytest.raises(SystemExit, match=message):

@@ -159,3 +159,119 @@ def test_rows_without_prompts_start_from_the_env_reset(assets, tmp_path):
     assert len(trajs) == 16 and not any(t["failed"] for t in trajs)
     assert {t["prompt"] for t in trajs} == {f"<|im_start|>user\nWhat is {a} plus 1?<|im_end|>\n<|im_start|>assistant\n"
                                            for a in range(4)}
+
+
+# ----- algorithm presets (README table): each must raise the reward -----
+PRESETS = {
+    "gspo": ["actor.policy_loss=gspo", "actor.avg_level=sequence", "actor.clip=3e-4", "actor.clip_high=4e-4",
+             "adv.norm_var=true", "actor.update_per_rollout=2"],
+    "cispo": ["actor.policy_loss=cispo", "actor.clip=1.0", "actor.clip_high=0.28",
+              "actor.update_per_rollout=2", "actor.update_epochs=2"],
+}
+
+
+@pytest.mark.parametrize("preset", list(PRESETS))
+def test_preset_raises_the_reward(warm_start, tmp_path, preset):
+    run_trainer("ppo", 2, rl_args(warm_start, *PRESETS[preset]), tmp_path)
+    rows = [r for r in read_metrics(tmp_path) if "rollout/reward" in r]
+    assert_rises([r["rollout/reward"] for r in rows])
+    # off-policy mini-batches after the first step: the clip is active
+    assert max(r["actor/clip_ratio"] for r in rows) > 0
+
+
+def test_strict_on_policy_passes_a_sound_run(warm_start, tmp_path):
+    run_trainer("ppo", 2, rl_args(warm_start, "actor.strict_on_policy=true", "trainer.total_steps=3"), tmp_path)
+    rows = [r for r in read_metrics(tmp_path) if "rollout/engine_kl" in r]
+    assert len(rows) == 3 and all(abs(r["rollout/engine_kl"]) < 1e-4 for r in rows)
+
+
+# Breaks the weight sync after the start-up one, as a bug would: the engine drops every later
+# update (the stream is still drained: its gathers are collectives) and keeps the old policy.
+STALE_SYNC = '''
+from RL2.rollout import torch_engine
+_update = torch_engine.TorchEngine.update_weights
+def update_weights(self, named_tensors):
+    if getattr(self, "_updated_once", False):
+        for _ in named_tensors:
+            pass
+        return
+    self._updated_once = True
+    return _update(self, named_tensors)
+torch_engine.TorchEngine.update_weights = update_weights
+'''
+
+
+def test_strict_on_policy_stops_a_run_whose_engine_is_stale(warm_start, tmp_path):
+    import os
+
+    (tmp_path / "hook").mkdir()
+    (tmp_path / "hook" / "sitecustomize.py").write_text(STALE_SYNC)
+    path = os.pathsep.join([str(tmp_path / "hook"), os.environ.get("PYTHONPATH", "")])
+    proc = run_trainer("ppo", 2, rl_args(warm_start, "actor.strict_on_policy=true", "trainer.total_steps=3",
+                                         "actor.rollout.weight_sync=gather"),  # copies: update_weights
+                       tmp_path / "out", extra_env={"PYTHONPATH": path}, check=False)
+    assert proc.returncode != 0
+    assert "strict on-policy check failed at step 2: engine and trainer log-probs differ by" in proc.stderr, \
+        proc.stderr[-4000:]
+
+
+# The env gives no reward; its score (a metric only) says whether the answer is right.
+SCORE_ONLY_ENV = '''
+import re
+
+
+async def step(state, action, extra_info):
+    numbers = re.findall(r"-?\\d+", action)
+    right = float(bool(numbers) and int(numbers[-1]) == int(extra_info["answer"]))
+    return {"next_state": None, "reward": 0.0, "score": right, "done": True}
+'''
+
+
+def test_reward_model_trained_by_rl2_is_the_reward_and_rises(warm_start, tmp_path):
+    import random
+
+    # 1. RL2.trainer.rm learns to prefer right answers (in the policy's format) over every wrong
+    # digit (rejected answers only near the right one left the far ones unranked, and PPO found
+    # them) and over the right digit followed by more tokens (no "longer is better")
+    rng = random.Random(0)
+    for split in ("train", "test"):
+        with open(tmp_path / f"pref_{split}.jsonl", "w") as f:
+            for line in open(warm_start["data"] / f"ppo_{split}.jsonl"):
+                row = json.loads(line)
+                a = int(row["extra_info"]["answer"])
+                wrong = str(rng.choice([b for b in range(10) if b != a]))
+                if rng.random() < 0.4:
+                    wrong = f"{a} {wrong}" if rng.random() < 0.5 else f"{a}{rng.randint(0, 9)}"
+                f.write(json.dumps({"prompt": row["prompt"], "chosen": str(a), "rejected": wrong}) + "\n")
+    run_trainer("rm", 2, [f"actor.model_name={warm_start['model']}", f"data.train.path={tmp_path / 'pref_train.jsonl'}",
+                          f"data.test.path={tmp_path / 'pref_test.jsonl'}", "data.train.batch_size=32",
+                          "actor.lr=3e-3", "trainer.n_epochs=2", "trainer.test_freq=64"], tmp_path / "rm")
+    acc = train_rows(tmp_path / "rm", "test/accuracy")
+    assert acc[-1] > 0.8, acc
+    # 2. PPO whose only reward is that model's score
+    (tmp_path / "env.py").write_text(SCORE_ONLY_ENV)
+    run_trainer("ppo", 2, [f"actor.model_name={warm_start['model']}",
+                           f"data.train.path={warm_start['data'] / 'ppo_train.jsonl'}",
+                           f"actor.rollout.env_path={tmp_path / 'env.py'}", *RL_ARGS,
+                           f"actor.rollout.reward_model={tmp_path / 'rm' / 'run' / 'final'}"], tmp_path / "ppo")
+    rows = [r for r in read_metrics(tmp_path / "ppo") if "rollout/reward" in r]
+    assert all(r["rollout/reward/env"] == 0 for r in rows)
+    assert all(math.isclose(r["rollout/reward"], r["rollout/reward/reward_model"], rel_tol=1e-6) for r in rows)
+    assert_rises([r["rollout/reward"] for r in rows])  # PPO maximises the reward model's score
+    # Not asserted: the true answer-match score. This 2-layer RM (held-out pair accuracy > 0.8)
+    # does not really know arithmetic, and the policy learns to please it without answering
+    # better (reward hacking, as with any RM scored far from its training pairs).
+
+
+def test_composed_reward_from_config_raises_the_reward_and_logs_components(warm_start, tmp_path):
+    env = str(Path(__file__).resolve().parents[1] / "envs" / "composed_reward.py")
+    run_trainer("ppo", 2, [f"actor.model_name={warm_start['model']}",
+                           f"data.train.path={warm_start['data'] / 'ppo_train.jsonl'}", f"actor.rollout.env_path={env}",
+                           *RL_ARGS, "+actor.rollout.env_args.rewards={answer_match: 1.0, length_penalty: 0.5}",
+                           "+actor.rollout.env_args.length_limit=20"], tmp_path)
+    rows = [r for r in read_metrics(tmp_path) if "rollout/reward" in r]
+    for r in rows:  # reward = 1.0 * answer_match + 0.5 * length_penalty, each component logged
+        want = r["rollout/reward/answer_match"] + 0.5 * r["rollout/reward/length_penalty"]
+        assert math.isclose(r["rollout/reward"], want, rel_tol=1e-9, abs_tol=1e-12)
+        assert r["rollout/score"] == r["rollout/reward/answer_match"] and r["rollout/reward/length_penalty"] < 0
+    assert_rises([r["rollout/reward"] for r in rows])

@@ -7,6 +7,8 @@ updated models (which depend on every parameter after two optimizer steps), in f
 1e-10) and float32 (rtol 1e-5).
 All loss terms are switched on: clip-higher, dual clip, TIS, k3 KL loss, entropy bonus, value
 clipping, two mini-batches, token- and sequence-level averaging.
+GSPO (sequence ratio: its per-sequence sums cross sp ranks) and CISPO (with two epochs) run the
+actor update only, in float64, on every layout of the same launches.
 """
 import math
 
@@ -30,6 +32,11 @@ LAYOUTS = {
         "tp2_dp2": ["tp_size=2", "max_length_per_device=48"]},
 }
 DTYPES = {"float64": 1e-10, "float32": 1e-5}
+VARIANTS = {  # on top of BASE; clips chosen so that some sequences / weights are clipped, some not
+    "gspo": ["actor.policy_loss=gspo", "actor.clip=0.05", "actor.clip_high=0.05", "actor.avg_level=sequence"],
+    "cispo": ["actor.policy_loss=cispo", "actor.clip=1.0", "actor.clip_high=0.1", "actor.dual_clip=null",
+              "actor.update_epochs=2", "actor.avg_level=token"],
+}
 # Both loss normalisations, without doubling the launches: float64 runs the actor at sequence
 # level (DeepSeek GRPO) and the critic at token level, float32 the other way round.
 AVG_LEVELS = {"float64": ["actor.avg_level=sequence", "critic.avg_level=token"],
@@ -64,7 +71,7 @@ def _update_every_layout(rank, world_size, model_path):
     from RL2.utils.config import load_config
     from RL2.workers.actor import Actor
     from RL2.workers.critic import Critic
-    from RL2.workers.ppo_update import actor_update, critic_update
+    from RL2.algorithms.ppo import actor_update, critic_update
 
     torch.set_num_threads(1)
     results = {}
@@ -84,6 +91,16 @@ def _update_every_layout(rank, world_size, model_path):
             out["after/values"] = sum((v.double() * s["action_mask"]).sum().item() for v, s in zip(values, samples))
             results[(name, dtype)] = out
             del actor, critic
+        for variant, extra in VARIANTS.items():
+            overrides = [f"actor.{o}" for o in layout + ["dtype=float64"]]
+            cfg = load_config("ppo", BASE + [f"actor.model_name={model_path}"] + overrides + extra)
+            actor = Actor(cfg.actor, "cpu", total_steps=4, seed=0)
+            samples = fixed_batch(actor.config.vocab_size)
+            out = {f"actor/{k}": v for k, v in actor_update(actor, samples, cfg.actor, cfg.kl, seed=1).items()}
+            logps = actor.compute_logps(samples)
+            out["after/logps"] = sum((lp.double() * s["action_mask"]).sum().item() for lp, s in zip(logps, samples))
+            results[(name, variant)] = out
+            del actor
     return results
 
 
@@ -105,16 +122,22 @@ def test_the_update_exercises_every_loss_term(launches):
         assert ref["actor/entropy"] > 0 and ref["actor/grad_norm"] > 0
 
 
+def test_gspo_and_cispo_updates_clip_some_tokens_not_all(launches):
+    for variant in VARIANTS:
+        ref = launches[1][("serial", variant)]
+        assert 0.05 < ref["actor/clip_ratio"] < 0.95 and ref["actor/grad_norm"] > 0, (variant, ref)
+
+
 @pytest.mark.parametrize("world_size,name", [(2, n) for n in LAYOUTS[2]] + [
     pytest.param(4, n, marks=pytest.mark.slow) for n in LAYOUTS[4]])
-@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("dtype", list(DTYPES) + list(VARIANTS))
 def test_parallel_update_equals_serial(launches, world_size, name, dtype):
     ref, got = launches[1][("serial", dtype)], launches[world_size][(name, dtype)]
     assert sorted(got) == sorted(ref)
     for key in ref:
         if key.endswith("lr"):
             continue
-        rtol = DTYPES[dtype]
+        rtol = DTYPES.get(dtype, DTYPES["float64"])
         # abs_tol guards metrics that are sums of terms of both signs (losses near 0)
         assert math.isclose(got[key], ref[key], rel_tol=rtol, abs_tol=rtol * 1e-2), \
             f"{name} {dtype} {key}: {got[key]} vs serial {ref[key]}"

@@ -81,6 +81,66 @@ def policy_loss(
     return loss, metrics
 
 
+POLICY_LOSSES = ("ppo", "gspo", "cispo")
+
+
+def gspo_loss(
+    logps: Tensor,
+    seq_log_ratio: Tensor,
+    advantages: Tensor,
+    clip: float = 3e-4,
+    clip_high: float | None = 4e-4,
+    dual_clip: float | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization"), token form, per token.
+
+    seq_log_ratio: for every token, the length-normalised log-ratio of ITS sequence,
+        (1/|y_i|) * sum_t (logp_{i,t} - old_logp_{i,t})  over the action tokens of y_i
+    s_i     = exp(seq_log_ratio)                                   sequence importance ratio
+    s_{i,t} = sg[s_i] * pi(y_{i,t}) / sg[pi(y_{i,t})]              value s_i, gradient s_i * grad logp
+    loss_{i,t} = max(-A * s_{i,t}, -A * clamp(s_{i,t}, 1 - clip, 1 + clip_high))
+    With one advantage per sequence and sequence-level averaging (avg_level=sequence) the mean
+    over a sequence's tokens is the paper's -min(s_i A_i, clip(s_i) A_i) and its gradient is the
+    paper's: clipping is decided per sequence, so a clipped sequence gets no gradient at all.
+    Returns policy_loss's (loss, metrics).
+    """
+    log_ratio = seq_log_ratio.detach() + (upcast(logps) - upcast(logps).detach())
+    return policy_loss(log_ratio, torch.zeros_like(log_ratio), advantages, clip, clip_high, dual_clip)
+
+
+def cispo_loss(
+    logps: Tensor,
+    old_logps: Tensor,
+    advantages: Tensor,
+    clip: float = 1.0,
+    clip_high: float | None = 0.28,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """CISPO (MiniMax-M1, Chen et al. 2025), per token (to be minimised).
+
+    r    = exp(logps - old_logps)
+    loss = -sg(clamp(r, 1 - clip, 1 + clip_high)) * A * logps
+    The importance weight is clipped and detached; unlike PPO no token's gradient is ever zeroed
+    (gradient = -clamp(r) * A * grad logp). clip=1.0 leaves the weight unbounded below (the
+    paper tunes only the upper bound). "clipped" marks tokens whose weight was truncated.
+    """
+    if clip_high is None:
+        clip_high = clip
+    ratio = torch.exp((upcast(logps) - upcast(old_logps)).clamp(-20.0, 20.0)).detach()
+    weight = ratio.clamp(1.0 - clip, 1.0 + clip_high)
+    loss = -weight * upcast(advantages) * upcast(logps)
+    return loss, {"ratio": ratio, "clipped": (weight != ratio).float(),
+                  "dual_clipped": torch.zeros_like(ratio)}
+
+
+def sequence_mean_per_token(x: Tensor, mask: Tensor, lengths: list[int]) -> Tensor:
+    """For each token, the mask-weighted mean of x over its sequence (sequences laid end to end
+    with `lengths`); 0 for a sequence with no masked token. The GSPO log-ratio on one process."""
+    seg = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    num = torch.zeros(len(lengths), dtype=torch.float64).index_add(0, seg, (x * mask).double())
+    den = torch.zeros(len(lengths), dtype=torch.float64).index_add(0, seg, mask.double())
+    return (num / den.clamp_min(1.0))[seg].to(x.dtype)
+
+
 def tis_weight(old_logps: Tensor, engine_logps: Tensor, tis_coef: float) -> Tensor:
     """Truncated importance-sampling weight min(pi_old / pi_engine, tis_coef), detached.
 

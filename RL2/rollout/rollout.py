@@ -11,6 +11,7 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 
+from RL2.algorithms.metrics import pass_at_k
 from RL2.rollout.engine import SamplingParams, make_engine
 from RL2.utils.seeding import derive_seed
 from RL2.rollout.trajectory import run_trajectory
@@ -29,6 +30,8 @@ def sampling_params(cfg, seed=None) -> SamplingParams:
 
 class Rollout:
     """Owns the engine of this rank's rollout group (only the group leader holds one)."""
+
+    reward_model = None  # optional scorer of train trajectories, set by the trainer (rollout/reward_model.py)
 
     def __init__(self, cfg, tokenizer, env, model_path: str, device: str, seed: int):
         self.cfg, self.tokenizer, self.env, self.seed = cfg, tokenizer, env, seed
@@ -117,6 +120,8 @@ class Rollout:
         while True:
             tag = f"{'train' if train else 'test'}{step}" + (f".{tries}" if tries else "")
             groups = self._generate(prompt_source(tries), params, n, tag)
+            if train and self.reward_model is not None:  # a collective: every rank has all groups
+                self.reward_model(groups)
             if train and cfg.overlong_buffer:
                 for g in groups:
                     for t in g:
@@ -151,13 +156,13 @@ class Rollout:
         if failed:
             logger.warning(f"{failed}/{len(flat)} trajectories failed (env errors); their groups "
                            f"are left out of the update. First: {next(t.error for t in flat if t.failed)}")
-        metrics = self.metrics(seen, n)
+        metrics = self.metrics(seen, n, cfg.pass_k)
         metrics.update(filtered_groups=float(status.count("filtered")),
                        failed_groups=float(status.count("failed")), rollout_tries=float(tries))
         return kept, metrics
 
     @staticmethod
-    def metrics(groups: list[list], n: int) -> dict:
+    def metrics(groups: list[list], n: int, pass_k=()) -> dict:
         flat = [t for g in groups for t in g]
         rewards = torch.tensor([t.reward for t in flat], dtype=torch.float64)
         scores = torch.tensor([t.score for t in flat], dtype=torch.float64)
@@ -173,13 +178,21 @@ class Rollout:
             "turns": sum(t.num_turns for t in flat) / len(flat),
             "failed": float(sum(t.failed for t in flat)),
         }
-        # mean@n and pass@n per data source (score > 0 counts as a pass).
+        # reward components of composed rewards (RL2/rollout/rewards.py), mean per trajectory
+        parts = defaultdict(float)
+        for t in flat:
+            for name, v in (t.extra_info or {}).get("reward_components", {}).items():
+                parts[name] += float(v) / len(flat)
+        out.update({f"reward/{name}": v for name, v in parts.items()})
+        # mean@n, pass@n and pass@k (k < n: unbiased from all n) per data source; score > 0 passes.
         by_source = defaultdict(list)
         for g in groups:
             by_source[g[0].extra_info.get("data_source", "all")].append(g)
         for src, gs in by_source.items():
             out[f"{src}/mean@{n}"] = sum(t.score for g in gs for t in g) / (len(gs) * n)
-            out[f"{src}/pass@{n}"] = sum(any(t.score > 0 for t in g) for g in gs) / len(gs)
+            for k in sorted({n, *(k for k in pass_k if k <= n)}):
+                out[f"{src}/pass@{k}"] = sum(pass_at_k(len(g), sum(t.score > 0 for t in g), k)
+                                             for g in gs) / len(gs)
         return out
 
     @staticmethod

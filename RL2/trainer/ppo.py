@@ -16,8 +16,11 @@ from functools import partial
 import torch
 
 from RL2.algorithms.advantages import OUTCOME_ESTIMATORS
-from RL2.algorithms.losses import AVG_LEVELS, KL_ESTIMATORS, token_metrics
+from RL2.algorithms.losses import AVG_LEVELS, KL_ESTIMATORS, POLICY_LOSSES, token_metrics
+from RL2.algorithms.on_policy import check_engine_logps
+from RL2.algorithms.ppo import actor_update, compute_advantages, critic_update, engine_kl
 from RL2.data.formats import tokenize_prompt
+from RL2.data.mixture import MixtureSampler, load_mixed_splits
 from RL2.data.packing import token_capacity
 from RL2.rollout.env import EnvError, load_env
 from RL2.rollout.rollout import Rollout
@@ -25,7 +28,6 @@ from RL2.rollout.weight_sync import TRANSPORTS
 from RL2.trainer.base import Trainer
 from RL2.utils.seeding import derive_seed
 from RL2.workers.actor import Actor
-from RL2.workers.ppo_update import actor_update, compute_advantages, critic_update, engine_kl
 
 logger = logging.getLogger("RL2")
 
@@ -54,8 +56,16 @@ def check_config(cfg):
     for w in ("actor", "critic"):
         if cfg[w].avg_level not in AVG_LEVELS:
             problems.append(f"{w}.avg_level={cfg[w].avg_level!r}: use one of {AVG_LEVELS}")
-        if cfg[w].update_per_rollout < 1:
-            problems.append(f"{w}.update_per_rollout={cfg[w].update_per_rollout} must be >= 1")
+        for key in ("update_per_rollout", "update_epochs"):
+            if cfg[w][key] < 1:
+                problems.append(f"{w}.{key}={cfg[w][key]} must be >= 1")
+    if a.policy_loss not in POLICY_LOSSES:
+        problems.append(f"actor.policy_loss={a.policy_loss!r}: use one of {POLICY_LOSSES}")
+    if a.policy_loss == "cispo" and a.dual_clip is not None:
+        problems.append("actor.dual_clip has no meaning for actor.policy_loss=cispo (its weight is already capped)")
+    if a.strict_on_policy and (a.update_per_rollout > 1 or a.update_epochs > 1):
+        problems.append("actor.strict_on_policy needs an on-policy config: actor.update_per_rollout=1 "
+                        "and actor.update_epochs=1")
     if a.dual_clip is not None and a.dual_clip <= 1:
         problems.append(f"actor.dual_clip={a.dual_clip} must be > 1 (or null)")
     if a.tis_coef is not None and a.tis_coef <= 0:
@@ -71,6 +81,10 @@ def check_config(cfg):
     if r.overlong_buffer and r.overlong_buffer >= r.train_sampling_params.max_new_tokens:
         problems.append(f"actor.rollout.overlong_buffer={r.overlong_buffer} must be smaller than "
                         f"train_sampling_params.max_new_tokens={r.train_sampling_params.max_new_tokens}")
+    bad_k = [k for k in r.pass_k if not 1 <= k <= r.test_responses_per_prompt]
+    if bad_k:
+        problems.append(f"actor.rollout.pass_k={list(r.pass_k)}: every k must be in [1, "
+                        f"test_responses_per_prompt={r.test_responses_per_prompt}]")
     if r.weight_sync not in TRANSPORTS:
         problems.append(f"actor.rollout.weight_sync={r.weight_sync!r}: use one of {TRANSPORTS}")
     if r.bucket_mb <= 0:
@@ -105,8 +119,15 @@ class PPOTrainer(Trainer):
         tokenize = partial(tokenize_prompt, tokenizer=self.tokenizer, prompt_key=d.prompt_key,
                            messages_key=d.messages_key, apply_chat_template=d.apply_chat_template,
                            max_length=d.max_length, prompt_required=not self.env.has_reset)
-        self.train_prompts, self.test_prompts = [self._index(p) for p in self.load_splits(tokenize)]
+        try:  # a list of {path, weight} mixes datasets (RL2/data/mixture.py)
+            mixed = load_mixed_splits(cfg.data, cfg.trainer.seed, partial(self._tokenize_all, tokenize=tokenize))
+        except ValueError as e:
+            raise SystemExit(f"bad data config: {e}") from None
+        splits = mixed[:2] if mixed else self.load_splits(tokenize)
+        self.train_prompts, self.test_prompts = [self._index(p) for p in splits]
         self.sampler, self.n_steps = self.plan_steps(len(self.train_prompts), r.prompts_per_rollout)
+        if mixed and mixed[2]:
+            self.sampler = MixtureSampler(mixed[3], mixed[2], r.prompts_per_rollout, cfg.trainer.seed)
         seed = cfg.trainer.seed
         self.actor = Actor(cfg.actor, self.device, total_steps=self.n_steps, seed=seed)
         self.ref = Actor(cfg.actor, self.device, train=False, seed=seed) if cfg.kl.coef > 0 else None
@@ -116,6 +137,11 @@ class PPOTrainer(Trainer):
 
             self.critic = Critic(cfg.critic, self.device, total_steps=self.n_steps, seed=seed)
         self.rollout = Rollout(r, self.tokenizer, self.env, cfg.actor.model_name, self.device, seed)
+        if r.reward_model:
+            from RL2.rollout.reward_model import RewardModel
+
+            self.rollout.reward_model = RewardModel(r.reward_model, cfg.actor, r.reward_model_coef, self.tokenizer,
+                                                    self.device, seed, chat=cfg.data.train.apply_chat_template)
         self.maybe_resume()
         sync = self.rollout.sync(self.actor.model)  # the engine serves exactly the trainer's weights
         logger.info(f"initial weight sync: {sync}")
@@ -183,11 +209,14 @@ class PPOTrainer(Trainer):
         kl_reward = cfg.kl.coef > 0 and cfg.kl.type == "reward"
         # Old log-probs are only needed when the policy moves before a sample is used (several
         # mini-batches), for TIS, or for a KL penalty in the reward; else the ratio is exactly 1.
-        if cfg.actor.update_per_rollout > 1 or cfg.actor.tis_coef or kl_reward:
+        a = cfg.actor
+        if a.update_per_rollout > 1 or a.update_epochs > 1 or a.tis_coef or kl_reward or a.strict_on_policy:
             with timed(timings, "old_logps"):
                 old = self.actor.compute_logps(samples, temperature)
             samples = [dict(s, old_logps=lp) for s, lp in zip(samples, old)]
             metrics["rollout/engine_kl"] = engine_kl(samples)
+            if a.strict_on_policy:
+                check_engine_logps(samples, step, a.on_policy_tol)
         with timed(timings, "advantages"):
             samples, adv_metrics = compute_advantages(samples, owner, len(trajectories), len(groups),
                                                       cfg.adv, cfg.kl)
@@ -200,7 +229,7 @@ class PPOTrainer(Trainer):
                 metrics.update({f"critic/{k}": v for k, v in critic_metrics.items()})
             if step >= cfg.actor.freeze_steps:  # critic warm-up: the actor waits
                 actor_metrics = actor_update(self.actor, samples, cfg.actor, cfg.kl,
-                                             derive_seed(cfg.trainer.seed, "minibatch", step))
+                                             derive_seed(cfg.trainer.seed, "minibatch", step), step=step)
                 metrics.update({f"actor/{k}": v for k, v in actor_metrics.items()})
         with timed(timings, "sync"):
             metrics.update(self.sync_weights())

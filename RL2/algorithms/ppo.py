@@ -1,4 +1,4 @@
-"""The PPO math on a rollout batch: advantages from rewards (+KL, values), then the update steps
+"""The PPO algorithm on a rollout batch: advantages from rewards (+KL, values), then the update steps
 of the actor (clipped policy loss + KL/entropy/TIS terms) and the critic (clipped value loss).
 
 Each mini-batch is one optimizer step; losses are normalised over the whole mini-batch (token or
@@ -9,7 +9,11 @@ from collections import defaultdict
 import torch
 
 from RL2.algorithms.advantages import apply_kl_to_rewards, compute_gae, outcome_advantages, whiten
-from RL2.algorithms.losses import kl_estimator, policy_loss, tis_weight, value_loss, with_token_weights
+from RL2.algorithms.losses import (cispo_loss, gspo_loss, kl_estimator, policy_loss, tis_weight, upcast,
+                                   value_loss, with_token_weights)
+from RL2.algorithms.on_policy import check_first_ratio
+from RL2.parallel.collectives import sequence_sums
+from RL2.utils.seeding import derive_seed
 
 
 # ----- advantages -----
@@ -96,22 +100,54 @@ def mini_batches(samples: list[dict], n: int, seed: int) -> list[list[dict]]:
     return [[samples[i] for i in order[k::n]] for k in range(n) if order[k::n]]
 
 
-def actor_update(actor, samples: list[dict], cfg, kl_cfg, seed: int) -> dict:
-    """cfg = the actor config (clip, clip_high, dual_clip, entropy_coef, tis_coef, avg_level,
-    update_per_rollout, rollout temperature); samples carry advantages (+ old/ref/engine logps)."""
+def epoch_batches(samples: list[dict], n: int, epochs: int, seed: int) -> list[list[dict]]:
+    """`epochs` passes over the batch, each split into `n` mini-batches and reshuffled: epoch
+    e > 0 uses derive_seed(seed, "epoch", e), so resumed runs repeat it (epoch 0 is the
+    single-epoch split)."""
+    seeds = [seed] + [derive_seed(seed, "epoch", e) for e in range(1, epochs)]
+    return [b for s in seeds for b in mini_batches(samples, n, s)]
+
+
+def sequence_log_ratio(mb, logps: torch.Tensor, old: torch.Tensor, sp_group) -> torch.Tensor:
+    """GSPO's length-normalised log-ratio of each sequence, per token of the micro-batch
+    (detached). A sequence is split over the sp group, so its sums are all-reduced there."""
+    mask = mb.data["action_mask"]
+    num = sequence_sums((logps.detach() - old) * mask, mb.cu_seqlens, sp_group, torch.float64)
+    den = sequence_sums(mask, mb.cu_seqlens, sp_group, torch.float64)
+    lengths = (mb.cu_seqlens[1:] - mb.cu_seqlens[:-1]).long()
+    return (num / den.clamp_min(1.0)).repeat_interleave(lengths).to(upcast(logps).dtype)
+
+
+def surrogate(actor, mb, logps, old, cfg) -> tuple[torch.Tensor, dict]:
+    """The per-token policy loss of `cfg.policy_loss` (ppo | gspo | cispo)."""
+    adv = mb.data["advantages"]
+    if cfg.policy_loss == "gspo":
+        seq = sequence_log_ratio(mb, logps, old, actor.dims.sp_group)
+        return gspo_loss(logps, seq, adv, cfg.clip, cfg.clip_high, cfg.dual_clip)
+    if cfg.policy_loss == "cispo":
+        return cispo_loss(logps, old, adv, cfg.clip, cfg.clip_high)
+    return policy_loss(logps, old, adv, cfg.clip, cfg.clip_high, cfg.dual_clip)
+
+
+def actor_update(actor, samples: list[dict], cfg, kl_cfg, seed: int, step: int = 0) -> dict:
+    """cfg = the actor config (policy_loss, clip, clip_high, dual_clip, entropy_coef, tis_coef,
+    avg_level, update_per_rollout, update_epochs, strict_on_policy, rollout temperature);
+    samples carry advantages (+ old/ref/engine logps)."""
     temperature = cfg.rollout.train_sampling_params.temperature or 1.0
     use_kl_loss = kl_cfg.coef > 0 and kl_cfg.type == "loss"
     sums = dict(loss=0.0, clip_ratio=0.0, dual_clip_ratio=0.0, entropy=0.0, approx_kl=0.0, kl_loss=0.0)
-    grad_norms = []
-    batches = mini_batches(samples, cfg.update_per_rollout, seed)
-    for batch in batches:
+    grad_norms, first_gap = [], 0.0
+    batches = epoch_batches(samples, cfg.update_per_rollout, cfg.update_epochs, seed)
+    for b, batch in enumerate(batches):
         for mb in actor.plan(with_token_weights(batch, cfg.avg_level)):
             d = mb.data
             out = actor.forward(mb, temperature=temperature, need_entropy=True)
             logps, w = out["logps"], d["loss_weight"]
             # A single update on fresh samples has old == current: ratio 1, exact gradient.
             old = d["old_logps"] if "old_logps" in d else logps.detach()
-            loss, stats = policy_loss(logps, old, d["advantages"], cfg.clip, cfg.clip_high, cfg.dual_clip)
+            if b == 0 and cfg.strict_on_policy:  # before any optimizer step the policy IS the old one
+                first_gap = max(first_gap, ((logps.detach() - old).abs() * d["action_mask"]).max().item())
+            loss, stats = surrogate(actor, mb, logps, old, cfg)
             if cfg.tis_coef:
                 loss = loss * tis_weight(old, d["engine_logps"], cfg.tis_coef)
             if use_kl_loss:
@@ -129,6 +165,8 @@ def actor_update(actor, samples: list[dict], cfg, kl_cfg, seed: int) -> dict:
             sums["dual_clip_ratio"] += (stats["dual_clipped"] * w).sum().item()
             sums["entropy"] += (out["entropy"].detach() * w).sum().item()
             sums["approx_kl"] += ((old - logps.detach()) * w).sum().item()
+        if b == 0 and cfg.strict_on_policy:
+            check_first_ratio(actor, first_gap, step)
         grad_norms.append(actor.step())
     # Each sum is a mean over one mini-batch; average over mini-batches.
     metrics = {k: actor.all_reduce_metric(v) / len(batches) for k, v in sums.items()}
@@ -140,10 +178,10 @@ def actor_update(actor, samples: list[dict], cfg, kl_cfg, seed: int) -> dict:
 
 def critic_update(critic, samples: list[dict], cfg, seed: int) -> dict:
     """Clipped value regression of `values` onto `returns` on action tokens; cfg = the critic
-    config (clip, avg_level, update_per_rollout, its own lr)."""
+    config (clip, avg_level, update_per_rollout, update_epochs, its own lr)."""
     sums = dict(value_loss=0.0, value_clip_ratio=0.0)
     grad_norms = []
-    batches = mini_batches(samples, cfg.update_per_rollout, seed)
+    batches = epoch_batches(samples, cfg.update_per_rollout, cfg.update_epochs, seed)
     for batch in batches:
         for mb in critic.plan(with_token_weights(batch, cfg.avg_level)):
             d = mb.data

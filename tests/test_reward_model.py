@@ -1,0 +1,73 @@
+"""A reward model as a PPO reward: the output of RL2.trainer.rm, sharded over 2 ranks, scores
+trajectories exactly as an HF forward of the same checkpoint reads the RM trainer's format; the
+score is added on the last action token with its coefficient and logged as a component."""
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from tests.dist_utils import run_dist
+from tests.run_utils import run_trainer
+
+
+@pytest.fixture(scope="module")
+def trained_rm(assets, tmp_path_factory):
+    out = tmp_path_factory.mktemp("rm")
+    run_trainer("rm", 1, [f"actor.model_name={assets['model']}", f"data.train.path={assets['data']}/pref_train.jsonl",
+                          "data.train.batch_size=16", "actor.lr=1e-3", "trainer.total_steps=3"], out)
+    return str(out / "run" / "final")
+
+
+def trajectories(tokenizer):
+    """Two trajectories: one whose response ends with eos (the RM reads after the chat
+    template's suffix, as in RM training), one cut by max_new_tokens; a failed one is skipped."""
+    out = []
+    for prompt, response, eos in (("What is 1 plus 2?", "3", True), ("What is 4 plus 0?", "no idea 7", False),
+                                  ("What is 2 plus 2?", "4", True)):
+        p = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                          add_generation_prompt=True)
+        p_ids = tokenizer.encode(p, add_special_tokens=False)
+        r_ids = tokenizer.encode(response, add_special_tokens=False) + ([tokenizer.eos_token_id] if eos else [])
+        ids = torch.tensor(p_ids + r_ids)
+        mask = torch.tensor([0.0] * (len(p_ids) - 1) + [1.0] * len(r_ids))
+        sample = {"input_ids": ids[:-1], "labels": ids[1:], "action_mask": mask, "rewards": torch.zeros(len(ids) - 1)}
+        sample["rewards"][-1] = 1.0  # the env's reward
+        out.append(SimpleNamespace(samples=[sample], failed=False, reward=1.0, extra_info={},
+                                   text=p + response + ("<|im_end|>\n" if eos else "")))
+    out[2].failed = True
+    return out
+
+
+def _score(rank, world_size, rm_path, model_path):
+    from transformers import AutoTokenizer
+
+    from RL2.rollout.reward_model import RewardModel
+    from RL2.utils.config import load_config
+
+    torch.set_num_threads(1)
+    cfg = load_config("ppo", [f"actor.model_name={model_path}", "data.train.path=x", "actor.rollout.env_path=x",
+                              "actor.max_length_per_device=32"])  # several micro-batches over fsdp2
+    tok = AutoTokenizer.from_pretrained(model_path)
+    rm = RewardModel(rm_path, cfg.actor, 0.5, tok, "cpu", seed=0)
+    trajs = trajectories(tok)
+    rm([trajs[:2], trajs[2:]])
+    return [(t.reward, t.samples[0]["rewards"].tolist(), t.extra_info, t.text) for t in trajs]
+
+
+@pytest.mark.slow
+def test_reward_model_scores_like_hf_and_adds_to_the_reward(assets, trained_rm):
+    from transformers import AutoModelForTokenClassification, AutoTokenizer
+
+    got = run_dist(_score, 2, trained_rm, assets["model"])
+    assert got[0] == got[1]  # every rank holds the same rewards
+    hf = AutoModelForTokenClassification.from_pretrained(trained_rm).eval()
+    tok = AutoTokenizer.from_pretrained(assets["model"])
+    for reward, rewards, info, text in got[0][:2]:
+        with torch.no_grad():
+            want = hf(torch.tensor([tok.encode(text, add_special_tokens=False)])).logits[0, -1, 0].item()
+        assert info["reward_components"]["reward_model"] == pytest.approx(want, rel=1e-5, abs=1e-6)
+        assert info["reward_components"]["env"] == 1.0
+        assert reward == pytest.approx(1.0 + 0.5 * want, rel=1e-5)
+        assert rewards[-1] == pytest.approx(1.0 + 0.5 * want, rel=1e-5) and not any(rewards[:-1])
+    failed = got[0][2]
+    assert failed[0] == 1.0 and failed[2] == {}  # a failed trajectory is not scored

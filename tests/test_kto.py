@@ -88,7 +88,7 @@ def test_first_step_and_rewards_move_the_right_way(assets, serial):
     from RL2.data.loader import StepSampler
 
     rows = read_metrics(serial("float32"))
-    first = rows[0]
+    first = next(r for r in rows if "train/loss" in r)
     # Policy == reference: every log-ratio and z0 are 0 (up to fp32 rounding of two passes), so
     # each example loses half its weight: 1/2 (desirable) or 1.5/2 (undesirable).
     train = load_rows(unpaired_file(assets, "train", assets["root"]))
@@ -99,7 +99,10 @@ def test_first_step_and_rewards_move_the_right_way(assets, serial):
         assert abs(first[key]) < 1e-5, key
     assert first["train/tokens"] > first["train/loss_tokens"] > 0
     tests = [r for r in rows if "test/loss" in r]
-    assert len(tests) == 2  # steps 2 and 4
+    assert [r["step"] for r in tests] == [0, 2, 4]  # trainer.test_at_start, then test_freq=2
+    start, tests = tests[0], tests[1:]
+    for key in ("test/rewards/chosen", "test/rewards/rejected"):
+        assert abs(start[key]) < 1e-5, key  # policy == reference at step 0
     for r in tests:
         assert r["test/rewards/chosen"] > 0 > r["test/rewards/rejected"]
     assert tests[-1]["test/rewards/chosen"] - tests[-1]["test/rewards/rejected"] > \

@@ -5,7 +5,7 @@
 # with a bad habit (gives up at once in 30% of games; else starts at 1 half the time and steps 1-3
 # toward the hint), then PPO (Dr. GRPO groups) makes it win more often in fewer
 # guesses. Test: 32 sampled games per secret 1-9 before training (step 0) and every 20 steps.
-# Usage: bash examples/guess_number.sh [NPROC]      (default 2 processes; ~5 minutes on 2 cores)
+# Usage: bash examples/guess_number.sh [NPROC]      (default 2 processes; ~6-12 minutes on 2 cores)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 NPROC="${1:-2}"
@@ -20,7 +20,7 @@ python envs/guess_number.py "$OUT/game"   # prompts (secret 1-9, at most 8 guess
 
 torchrun --nproc_per_node="$NPROC" -m RL2.trainer.sft \
     actor.model_name="$OUT/assets/model" data.train.path="$OUT/game/sft_train.jsonl" \
-    data.train.batch_size=32 actor.lr=3e-3 actor.scheduler=cosine trainer.n_epochs=8 \
+    data.train.batch_size=32 actor.lr=3e-3 actor.scheduler=cosine trainer.n_epochs=16 \
     trainer.save_dir="$OUT/ckpts" trainer.experiment_name=sft
 
 torchrun --nproc_per_node="$NPROC" -m RL2.trainer.ppo \

@@ -60,7 +60,7 @@ def test_quickstart_raises_greedy_test_reward_from_step_0(quickstart_assets, tmp
 
 
 # examples/guess_number.sh, minus paths (checked against the script below).
-GUESS_SFT = ["data.train.batch_size=32", "actor.lr=3e-3", "actor.scheduler=cosine", "trainer.n_epochs=8"]
+GUESS_SFT = ["data.train.batch_size=32", "actor.lr=3e-3", "actor.scheduler=cosine", "trainer.n_epochs=16"]
 GUESS_PPO = ["actor.rollout.env_path=envs/guess_number.py", "actor.rollout.max_turns=8",
              "actor.rollout.prompts_per_rollout=16", "actor.rollout.responses_per_prompt=8",
              "actor.rollout.train_sampling_params.max_new_tokens=4",
@@ -76,7 +76,9 @@ def test_guess_number_script_uses_these_settings():
         assert arg in script, arg
 
 
-GUESS_MIN_WIN_GAIN, GUESS_MIN_FEWER = 0.2, 0.2
+# Measured (2026-11-23, 288 test games): seed 0 wins 0.61 -> 0.99, guesses per win 3.94 -> 3.16;
+# seed 1 0.68 -> 1.00, 3.85 -> 3.07.
+GUESS_MIN_WIN_GAIN, GUESS_MIN_FEWER = 0.2, 0.3
 
 
 def game_stats(path) -> tuple[float, float]:
@@ -98,6 +100,6 @@ def test_guess_number_agent_wins_more_in_fewer_guesses(quickstart_assets, tmp_pa
     rollouts = tmp_path / "ppo" / "run" / "rollouts"
     wins0, guesses0 = game_stats(rollouts / "test_step0.jsonl")
     wins, guesses = game_stats(rollouts / "test_step60.jsonl")
-    # 9 secrets x 32 sampled games each. Measured (2026-11-23, seed 0): see README.
+    # 9 secrets x 32 sampled games each (seed 0).
     assert wins >= wins0 + GUESS_MIN_WIN_GAIN, (wins0, wins)
     assert guesses <= guesses0 - GUESS_MIN_FEWER, (guesses0, guesses)

@@ -30,8 +30,8 @@ from typing import Iterable
 import torch
 
 from RL2.rollout.engine import Engine, GenerationOutput, SamplingParams
-from RL2.utils.seeding import derive_seed
 from RL2.rollout.vllm_transfer import BACKEND, GlooSender, NcclSender, make_buckets
+from RL2.utils.seeding import derive_seed
 
 logger = logging.getLogger(__name__)
 

@@ -24,6 +24,8 @@ import sys
 import time
 from pathlib import Path
 
+from RL2.utils.process import die_with_parent
+
 _HEADER = struct.Struct("<Q")
 # Pickled results above this size are refused in the worker (an env returning gigabytes would
 # otherwise grow the trainer until the kernel kills it).
@@ -33,30 +35,6 @@ STARTUP_TIMEOUT = 120.0  # seconds for a new worker to import the env script and
 
 class WorkerError(RuntimeError):
     """A worker died or answered garbage (not the user code's own exception)."""
-
-
-def die_with_parent(sig: int = signal.SIGKILL) -> None:
-    """Ask the kernel to send `sig` to this process when its parent dies (Linux prctl
-    PR_SET_PDEATHSIG); elsewhere a daemon thread polls the parent pid. Exits at once if the
-    parent is already gone."""
-    parent = os.getppid()
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.prctl(1, int(sig), 0, 0, 0) != 0:  # 1 = PR_SET_PDEATHSIG
-            raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
-    except (OSError, AttributeError):
-        import threading
-
-        def watch():
-            while os.getppid() == parent:
-                time.sleep(1.0)
-            os.kill(os.getpid(), sig)
-
-        threading.Thread(target=watch, daemon=True, name="rl2-parent-watch").start()
-    if os.getppid() != parent or parent == 1:  # the parent died before the signal was armed
-        os.kill(os.getpid(), sig)
 
 
 # ----------------------------------------------------------------------------- worker side

@@ -12,7 +12,8 @@ from RL2.data.loader import StepSampler, eval_batches
 from RL2.parallel.mesh import init_distributed
 from RL2.utils import checkpoint
 from RL2.utils.config import check_optimizer_config, load_config
-from RL2.utils.logging import MetricLogger, is_rank0, setup_logging
+from RL2.utils.logging import MetricLogger, drop_dumps_after, is_rank0, setup_logging
+from RL2.utils.process import die_with_torchrun_agent
 from RL2.utils.seeding import seed_everything
 from RL2.workers.actor import Actor
 
@@ -194,6 +195,9 @@ class Trainer:
             path = checkpoint.resolve_ckpt(src, self.run_dir)
             state = checkpoint.load_checkpoint(path, self.trained_workers())
             self.step = state["step"]
+            # the steps after the checkpoint are replayed: each must appear once in the dumps
+            # (MetricLogger cuts metrics.jsonl back the same way)
+            drop_dumps_after(os.path.join(self.run_dir, "rollouts"), self.step)
 
     def save_final(self):
         for i, (name, w) in enumerate(self.trained_workers().items()):
@@ -231,6 +235,7 @@ class Trainer:
     @classmethod
     def launch(cls, config_name: str) -> None:
         """`torchrun -m RL2.trainer.<config_name> key=value ...`: build, train, close."""
+        die_with_torchrun_agent()  # stopping the job (killing torchrun) stops the workers
         trainer = cls(load_config(config_name))
         trainer.fit()
         trainer.close()

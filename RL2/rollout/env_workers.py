@@ -15,6 +15,7 @@ per-trajectory state kept in module globals (e.g. envs/gem_env.py) keeps working
 counts from the moment a worker starts the call, not the wait for a free worker.
 """
 import asyncio
+import inspect
 import os
 import pickle
 import signal
@@ -45,6 +46,10 @@ def _cap_result(out, args, limit):
         if len(out["next_state"]) > cap:
             out = {**out, "next_state": out["next_state"][:cap]}
     return out
+
+
+async def _await(awaitable):
+    return await awaitable
 
 
 def _serve(path: str) -> None:
@@ -80,6 +85,8 @@ def _serve(path: str) -> None:
                 out = module.configure(**args[0]) if hasattr(module, "configure") else None
             else:
                 out = getattr(module, hook)(*args)
+                if inspect.isawaitable(out):  # a sync wrapper that returned a coroutine
+                    out = asyncio.run(_await(out))
             msg = ("ok", _cap_result(out, args, limit))
             pickle.dumps(msg)  # fail here (as the env's error), not half-way through send
         except KeyboardInterrupt:
@@ -107,8 +114,6 @@ class _Worker:
             stdout=subprocess.PIPE, env={**os.environ, "OMP_NUM_THREADS": "1"})
         self.env_args = env_args
         self.configured = False
-        self.uids: set = set()  # trajectories pinned to this worker
-        self.busy = False
 
     def write(self, hook, args, limit):
         data = pickle.dumps((hook, args, limit), protocol=pickle.HIGHEST_PROTOCOL)
@@ -156,7 +161,9 @@ class EnvWorkerPool:
         self.lost: set = set()      # uids whose worker was killed while they were alive
         self.workers: list[_Worker | None] = [None] * self.size
         self.replaced = 0           # workers killed after a timeout (or found dead)
-        self._idle: asyncio.Condition | None = None
+        self.pins: dict = {}        # uid -> slot: a trajectory's calls go to one worker
+        self.waiting = [0] * self.size
+        self._locks: list[asyncio.Lock] = []
         self._loop = None
 
     def start(self) -> None:
@@ -190,23 +197,22 @@ class EnvWorkerPool:
                                   f"{answer[1]}: {answer[2]}")
             w.configured = True
 
-    def _condition(self) -> asyncio.Condition:
+    def _slots(self) -> list[asyncio.Lock]:
         loop = asyncio.get_running_loop()
-        if self._loop is not loop:  # one condition per event loop (tests use several loops)
-            self._loop, self._idle = loop, asyncio.Condition()
-        return self._idle
+        if self._loop is not loop:  # asyncio locks belong to one loop (tests use several)
+            self._loop, self._locks = loop, [asyncio.Lock() for _ in range(self.size)]
+        return self._locks
 
-    def _pick(self, uid) -> int | None:
-        pinned = [i for i, w in enumerate(self.workers) if w is not None and uid in w.uids]
-        if pinned:
-            return pinned[0] if not self.workers[pinned[0]].busy else None
-        free = [i for i, w in enumerate(self.workers) if w is None or not w.busy]
-        if not free:
-            return None
-        # An idle ready worker first (fewest pinned trajectories), then one still starting, then
-        # a new process.
-        return min(free, key=lambda i: (self.workers[i] is None, not self.workers[i].configured,
-                                        len(self.workers[i].uids)) if self.workers[i] else (True,))
+    def _assign(self, uid) -> int:
+        """The slot of a trajectory: where its earlier calls ran, else the least loaded."""
+        if uid is not None and uid in self.pins:
+            return self.pins[uid]
+        locks = self._slots()
+        i = min(range(self.size), key=lambda j: (self.waiting[j] + locks[j].locked(),
+                                                  self.workers[j] is None or not self.workers[j].configured))
+        if uid is not None:
+            self.pins[uid] = i
+        return i
 
     async def call(self, hook: str, args: tuple, timeout: float | None, uid=None, limit=None):
         """Run `hook(*args)` in a worker. Returns ("ok", result) or ("err", type, message);
@@ -233,40 +239,34 @@ class EnvWorkerPool:
             self._replace(i, worker, uid)  # timed out, cancelled or died: the process is unusable
             raise
         finally:
-            worker.busy = False
-            async with self._condition():
-                self._condition().notify_all()
+            self._slots()[i].release()
 
     async def _acquire(self, uid) -> tuple[int, "_Worker"]:
-        idle = self._condition()
-        async with idle:
-            await idle.wait_for(lambda: self._pick(uid) is not None)
-            i = self._pick(uid)
-            worker = self.workers[i]
-            if worker is not None and worker.proc.poll() is not None:  # died between calls
-                self._replace(i, worker, None)
-                worker = None
-            if worker is None:
-                worker = self.workers[i] = _Worker(self.path, self.env_args)
-            worker.busy = True
-            if uid is not None:
-                worker.uids.add(uid)
-        return i, worker
+        i = self._assign(uid)
+        self.waiting[i] += 1
+        try:
+            await self._slots()[i].acquire()  # FIFO: one call at a time per worker
+        finally:
+            self.waiting[i] -= 1
+        worker = self.workers[i]
+        if worker is not None and worker.proc.poll() is not None:  # died between calls
+            self._replace(i, worker, None)
+        if self.workers[i] is None:
+            self.workers[i] = _Worker(self.path, self.env_args)
+        return i, self.workers[i]
 
     def _replace(self, i: int, worker: "_Worker", uid) -> None:
         worker.kill()
         self.replaced += 1
         if self.stateful:
-            self.lost |= worker.uids - {uid}
+            self.lost |= {u for u, j in self.pins.items() if j == i and u != uid}
         if self.workers[i] is worker:  # start the replacement now: it imports while others run
             self.workers[i] = _Worker(self.path, self.env_args)
 
     def release(self, uid) -> None:
         """The trajectory ended: unpin it."""
         self.lost.discard(uid)
-        for w in self.workers:
-            if w is not None:
-                w.uids.discard(uid)
+        self.pins.pop(uid, None)
 
     def close(self) -> None:
         for i, w in enumerate(self.workers):

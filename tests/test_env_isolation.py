@@ -202,3 +202,20 @@ def test_reward_must_be_a_number(tmp_path, reward):
     """), {})
     with pytest.raises(EnvError, match="'reward' must be a number"):
         asyncio.run(env.step("s", "a", {}))
+
+
+def test_a_worker_that_dies_is_replaced(tmp_path):
+    env = load_env(write_env(tmp_path, """
+        import os
+        def step(state, action, extra_info):
+            if action == "die":
+                os._exit(1)
+            return {"next_state": None, "reward": 1.0, "done": True, "extra_info": {"pid": os.getpid()}}
+    """), {}, timeout=10, workers=1)
+    try:
+        first, died, after = gather(env, [("s", "a", {"uid": 0}), ("s", "die", {"uid": 1}), ("s", "a", {"uid": 2})])
+        assert isinstance(died, EnvError) and "exited" in str(died)
+        assert after["reward"] == 1.0 and after["extra_info"]["pid"] != first["extra_info"]["pid"]
+        assert env.pool.replaced == 1
+    finally:
+        env.shutdown()

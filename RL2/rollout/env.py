@@ -152,10 +152,15 @@ class Env:
         self._reset = getattr(module, "reset", None)
         self._close = getattr(module, "close", None)
         self.pool = None
-        if workers > 0 and not all(_is_async(f) for f in (self._step, self._reset, self._close) if f):
-            # reset/close hooks mean per-trajectory state inside the worker
-            self.pool = EnvWorkerPool(str(Path(path).resolve()), self.env_args, workers,
-                                      stateful=self.has_reset or self._close is not None)
+        hooks = [f for f in (self._step, self._reset, self._close) if f is not None]
+        stateful = self.has_reset or self._close is not None  # per-trajectory state in the module
+        mixed = len({_is_async(f) for f in hooks}) > 1
+        if workers > 0 and mixed and stateful:
+            # async hooks run here, sync ones in a worker: they would see two copies of the state
+            logger.warning("env %s mixes async and sync hooks with reset/close: its sync hooks run "
+                           "in-process threads (not in env worker processes)", path)
+        elif workers > 0 and not all(_is_async(f) for f in hooks):
+            self.pool = EnvWorkerPool(str(Path(path).resolve()), self.env_args, workers, stateful=stateful)
         self._watchdog = None
 
     @property

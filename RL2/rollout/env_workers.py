@@ -55,17 +55,18 @@ async def _await(awaitable):
 def _serve(path: str) -> None:
     from RL2.rollout.env import _import_script
 
-    proto_in = sys.stdin.buffer
+    proto_in = os.fdopen(os.dup(0), "rb")
     proto_out = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)  # user prints go to stderr, never into the protocol stream
     sys.stdout = sys.stderr
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)  # nor can user code read requests meant for the worker
     try:
         module, error = _import_script(Path(path).resolve()), None
     except BaseException as e:  # reported on the first call, which is always configure
         module, error = None, ("err", type(e).__name__, str(e))
 
-    def send(msg):
-        data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+    def send(data: bytes):
         if len(data) > MAX_RESULT_BYTES:
             data = pickle.dumps(("err", "EnvError", f"result of {len(data)} bytes exceeds the "
                                  f"{MAX_RESULT_BYTES}-byte limit of one env call"))
@@ -78,7 +79,7 @@ def _serve(path: str) -> None:
             return  # the trainer closed the pipe (or died)
         hook, args, limit = pickle.loads(proto_in.read(_HEADER.unpack(header)[0]))
         if error is not None:
-            send(error)
+            send(pickle.dumps(error))
             continue
         try:
             if hook == "configure":
@@ -87,13 +88,12 @@ def _serve(path: str) -> None:
                 out = getattr(module, hook)(*args)
                 if inspect.isawaitable(out):  # a sync wrapper that returned a coroutine
                     out = asyncio.run(_await(out))
-            msg = ("ok", _cap_result(out, args, limit))
-            pickle.dumps(msg)  # fail here (as the env's error), not half-way through send
+            data = pickle.dumps(("ok", _cap_result(out, args, limit)), protocol=pickle.HIGHEST_PROTOCOL)
         except KeyboardInterrupt:
             return  # Ctrl-C reaches the whole process group: stop with the trainer
-        except BaseException as e:  # incl. SystemExit: a failed call, the worker lives on
-            msg = ("err", type(e).__name__, str(e))
-        send(msg)
+        except BaseException as e:  # incl. SystemExit and unpicklable results: a failed call
+            data = pickle.dumps(("err", type(e).__name__, str(e)))
+        send(data)
 
 
 # ----------------------------------------------------------------------------- trainer side
@@ -235,8 +235,10 @@ class EnvWorkerPool:
             async with asyncio.timeout(timeout):
                 worker.write(hook, args, limit)
                 return await worker.read()
-        except BaseException:
+        except BaseException as e:
             self._replace(i, worker, uid)  # timed out, cancelled or died: the process is unusable
+            if isinstance(e, OSError) and not isinstance(e, TimeoutError):  # a broken pipe
+                raise WorkerError(f"env worker {worker.proc.pid} died: {e}") from None
             raise
         finally:
             self._slots()[i].release()

@@ -122,7 +122,7 @@ def test_resume_after_crash_repeats_the_straight_run(assets, tmp_path):
     resumed = tmp_path / "resumed"
     # Killed after step 3, checkpoint at step 2: step 3 is replayed after the resume.
     proc = run_trainer("ppo", 2, args + ["trainer.save_freq=2"], resumed,
-                       crash_after_step=3, check=False)
+                       crash_after_log_step=3, check=False)
     assert proc.returncode != 0 and (resumed / "run" / "latest").read_text() == "step2"
     assert (resumed / "run" / "rollouts" / "step3.jsonl").exists()
     run_trainer("ppo", 2, args + ["trainer.load_ckpt_from=latest"], resumed)

@@ -36,6 +36,7 @@ def commands(quick: bool, cuda: bool) -> dict[str, list[str]]:
         "engine": engine,
         "sp": [sys.executable, os.path.join(REPO, "benchmarks", "bench_sp.py"), "--sp", "1", "2",
                "--repeats", "2"] + (["--length", "4096"] if quick else []),
+        "env": py + ["benchmarks.bench_env", *q],
     }
 
 
@@ -65,7 +66,7 @@ def main(argv=None):
     parser.add_argument("--quick", action="store_true", help="fewer repeats, smaller models")
     parser.add_argument("--out", default=None, help="also write the tables to this markdown file")
     parser.add_argument("--only", nargs="*", default=None,
-                        choices=["packing", "sft", "weight_sync", "ppo", "engine", "sp"])
+                        choices=["packing", "sft", "weight_sync", "ppo", "engine", "sp", "env"])
     parser.add_argument("--timeout", type=float, default=1800, help="per benchmark, seconds")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")

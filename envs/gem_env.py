@@ -15,9 +15,9 @@ One GEM object per trajectory, keyed by extra_info["uid"] (set by the rollout): 
 terminated/truncated or when the rollout calls `close` (also after a failure). Every later turn
 extends `state + action`, so the rollout keeps one sequence per trajectory.
 
-The hooks are synchronous on purpose: the loader (RL2/rollout/env.py) runs sync hooks off the
-event loop in a daemon thread with a timeout, which is `asyncio.to_thread` plus a watchdog
-(a hung GEM call is abandoned and can neither stall the loop nor block interpreter exit).
+The hooks are synchronous on purpose: the rollout runs sync hooks in env worker processes
+(`actor.rollout.env_workers`, RL2/rollout/env_workers.py) that are killed and replaced on timeout,
+and sends every call of one trajectory to the same worker, so `_ENVS` below lives there.
 """
 from typing import Any
 

@@ -53,3 +53,22 @@ def test_bad_row_named(assets, tmp_path, row, needle):
     proc = run_trainer("sft", 1, base(assets, str(path)) + ["data.train.skip_bad_rows=true", "trainer.total_steps=1"],
                        tmp_path / "skip")
     assert "skipped 1 of 16 rows" in proc.stdout + proc.stderr
+
+
+def test_bad_optimizer_keys_named_before_the_model_loads(assets, tmp_path):
+    out = fails_with(assets, tmp_path, base(assets) + ["actor.lr=-1e-5", "actor.scheduler=cosin"],
+                     "actor.lr=-1e-05 must be >= 0", "actor.scheduler='cosin': use one of constant, cosine, linear")
+    assert "Applied FSDP" not in out
+
+
+@pytest.mark.parametrize("content,needle", [
+    ("", ["data file '{path}' is empty"]),
+    ('{"prompt": "hi", "response": "x"}\n{"prompt": "hi", "response": \n', ["'{path}': line 2 is not valid JSON"]),
+    ('{"prompt": "hi", "response": "x"}\n{"prompt": null, "response": "x"}\n',
+     ["{path} row 1: key 'prompt' is null", "row 1 is line 2"]),
+], ids=["empty", "malformed-line", "null-prompt"])
+def test_bad_data_file_named_before_the_model_loads(assets, tmp_path, content, needle):
+    path = tmp_path / "data.jsonl"
+    path.write_text(content)
+    out = fails_with(assets, tmp_path, base(assets, str(path)), *(n.format(path=path) for n in needle))
+    assert "Applied FSDP" not in out

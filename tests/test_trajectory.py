@@ -232,3 +232,39 @@ def test_concurrent_trajectories_keep_their_own_state(tok, tmp_path):
     assert [t.uid for t in trajs] == ["u0", "u1", "u2", "u3"]
     assert all(t.num_turns == 3 and len(t.samples) == 1 for t in trajs)
     assert sorted(env.module.CLOSED) == ["u0", "u1", "u2", "u3"]
+
+
+# ---------------------------------------------------------------- env text bounded by max_length
+HUGE_ENV = """
+    def step(state, action, extra_info):
+        return {"next_state": state + action + "the env talks a lot " * 50_000, "reward": 0.5,
+                "done": False}
+"""
+
+
+@pytest.mark.parametrize("workers", [0, 1], ids=["in-process", "worker-process"])
+def test_huge_next_state_ends_the_trajectory_truncated_at_max_length(tok, tmp_path, workers, monkeypatch):
+    # A 1 MB next_state used to be tokenised whole: a 10k-character one made a sample longer than
+    # any micro-batch, a 1 MB one on 128 trajectories ran a worker out of memory.
+    env = load_env(write_env(tmp_path, HUGE_ENV), {}, workers=workers)
+    import RL2.rollout.trajectory as trajectory
+
+    encoded = []
+    real_encode = trajectory._encode
+    monkeypatch.setattr(trajectory, "_encode", lambda t, text: encoded.append(len(text)) or real_encode(t, text))
+    prompt = make_prompt(tok)
+    max_length = len(prompt["prompt_ids"]) + 40
+    try:
+        traj = run(ScriptedEngine(tok, ACTIONS), tok, env, prompt, max_length=max_length)
+    finally:
+        env.shutdown()
+    assert traj.truncated and not traj.failed and traj.num_turns == 1
+    (sample,) = traj.samples
+    assert len(sample["input_ids"]) + 1 == max_length  # every token that fits is kept
+    a0 = enc(tok, ACTIONS[0])
+    assert sample["action_mask"].sum() == len(a0)
+    env_ids = enc(tok, "the env talks a lot " * 50)[:max_length - len(prompt["prompt_ids"]) - len(a0)]
+    assert sample["labels"].tolist()[-len(env_ids):] == env_ids
+    # Tokenised text is bounded by max_length, not by what step returned (1 MB).
+    assert max(encoded) <= max_length * trajectory._max_token_chars(tok) < 100_000
+    assert len(traj.turns[0]["env_text"]) < 100_000

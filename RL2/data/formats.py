@@ -34,6 +34,8 @@ def _where(source, row_index) -> str:
 
 def _get(row, key, where):
     value = row.get(key) if hasattr(row, "get") else None
+    if value is None and hasattr(row, "keys") and key in row.keys():
+        raise DataError(f"{where}: key '{key}' is null")
     if value is None:
         keys = sorted(row) if hasattr(row, "keys") else type(row).__name__
         raise DataError(f"{where}: missing key '{key}' (row has {keys})")
@@ -147,6 +149,9 @@ def sft_tokens(row, tokenizer, *, prompt_key="prompt", response_key="response",
     if _has(row, messages_key) and not _has(row, response_key):
         messages = _as_messages(row[messages_key], "user", messages_key, where)
         return chat_tokens(tokenizer, messages, where, key=messages_key)
+    for key in (prompt_key, messages_key):
+        if key and hasattr(row, "keys") and key in row.keys() and row[key] is None and not _has(row, messages_key):
+            raise DataError(f"{where}: key '{key}' is null")
     if not _has(row, prompt_key) and not _has(row, messages_key):
         raise DataError(
             f"{where}: missing key '{messages_key}' or '{prompt_key}' (row has {sorted(row)})"

@@ -6,6 +6,7 @@ Accepted `path` forms (see `load_rows`):
     data/my_ds/                                              `save_to_disk` output or a folder of data files
     org/dataset        train@org/dataset                     a hub dataset (optionally `split@name`)
 """
+import json
 import logging
 import os
 import random
@@ -96,12 +97,7 @@ def load_rows(path: str, split: str | None = None) -> datasets.Dataset:
         split, path = path.split("@", 1)
         expanded = os.path.expanduser(path)
     if os.path.isfile(expanded):
-        builder = _builder_for(expanded)
-        if builder == "arrow":
-            # A single Arrow file (e.g. one shard of `save_to_disk`) loads without caching.
-            ds = datasets.Dataset.from_file(expanded)
-        else:
-            ds = datasets.load_dataset(builder, data_files=expanded, split="train")
+        ds = _load_file(expanded, path)
         if split not in (None, "train"):
             raise ValueError(f"'{path}' is a single data file; cannot select split '{split}'")
         logger.info("loaded %d rows from %s", len(ds), path)
@@ -113,6 +109,54 @@ def load_rows(path: str, split: str | None = None) -> datasets.Dataset:
     if _looks_local(path):
         raise FileNotFoundError(f"data file or directory '{path}' does not exist")
     return _load_hub(path, split)
+
+
+def _load_file(expanded: str, path: str) -> datasets.Dataset:
+    """One data file; an empty or malformed file raises a ValueError naming the file (and, for
+    JSON, the 1-based line) instead of `datasets`' StopIteration / generation errors."""
+    builder = _builder_for(expanded)
+    if builder == "json" and not _json_text(expanded).strip():
+        raise ValueError(f"data file '{path}' is empty")
+    try:
+        if builder == "arrow":
+            # A single Arrow file (e.g. one shard of `save_to_disk`) loads without caching.
+            ds = datasets.Dataset.from_file(expanded)
+        else:
+            ds = datasets.load_dataset(builder, data_files=expanded, split="train")
+    except (Exception, StopIteration) as e:
+        detail = _json_problem(expanded) if builder == "json" else None
+        raise ValueError(f"cannot read data file '{path}': "
+                         f"{detail or f'{type(e).__name__}: {e}'}") from e
+    if len(ds) == 0:
+        raise ValueError(f"data file '{path}' has no rows")
+    return ds
+
+
+def _json_text(path: str) -> str:
+    with open(path, encoding="utf-8", errors="replace") as f:
+        return f.read(1 << 16)
+
+
+def _json_problem(path: str) -> str | None:
+    """The first malformed line of a JSON Lines file (1-based), or the JSON error of a .json."""
+    with open(path, encoding="utf-8", errors="replace") as f:
+        text = f.read()
+    if text.lstrip().startswith("["):  # one JSON document
+        try:
+            json.loads(text)
+        except json.JSONDecodeError as e:
+            return f"invalid JSON at line {e.lineno}, column {e.colno}: {e.msg}"
+        return None
+    for lineno, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            return f"line {lineno} is not valid JSON (column {e.colno}: {e.msg})"
+        if not isinstance(row, dict):
+            return f"line {lineno} is a JSON {type(row).__name__}, not an object with keys"
+    return None
 
 
 def _load_hub(name: str, split: str | None) -> datasets.Dataset:

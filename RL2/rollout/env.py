@@ -16,15 +16,17 @@ An environment script defines (see "Environment contract" in the README):
 is called once at load time if the script defines it, and every trajectory's `extra_info` starts
 as `{**env_args, **row_extra_info, "uid": uid}` (values in the prompt row win).
 
-Timeouts (`timeout` seconds, None or <= 0 disables) really fire for both kinds of hook:
-- async hooks run on the caller's event loop under `asyncio.timeout`; they must not block the
-  loop (use `asyncio.to_thread` for blocking work inside them).
-- sync hooks run in a fresh *daemon* thread per call, awaited under the same timeout. A sync call
-  cannot be interrupted: on timeout its thread is ABANDONED (it keeps running in the background
-  until it returns, its result is dropped). Daemon threads never block interpreter exit, unlike
-  the default executor used by `asyncio.to_thread`, whose workers are joined at exit and which a
-  few hung calls would exhaust. Sync hooks may run concurrently in several threads, so they must
-  be thread-safe (per-trajectory state keyed by `extra_info["uid"]` is the usual pattern).
+Where hooks run and how timeouts (`timeout` seconds, None or <= 0 disables) fire:
+- sync hooks run, with `workers > 0` (config `actor.rollout.env_workers`), in a small pool of
+  worker processes (RL2/rollout/env_workers.py): on timeout the worker is killed and replaced, so
+  CPU-bound or GIL-holding code cannot stall the rollout. Arguments and results must pickle; the
+  calls of one trajectory go to the same worker. With `workers=0` they run in-process in a daemon
+  thread per call; a timed-out thread is ABANDONED and keeps running (and holding the GIL).
+- async hooks run on the caller's event loop under `asyncio.timeout`. They must not block the
+  loop (use `asyncio.to_thread` for blocking work): a watchdog thread logs which call blocks the
+  loop for longer than the timeout, and such a call fails with EnvTimeout when it returns.
+Any exception from user code, BaseException included (SystemExit, ...), is an EnvError that fails
+the trajectory; only KeyboardInterrupt and cancellation propagate.
 """
 import asyncio
 import contextvars
@@ -35,8 +37,11 @@ import logging
 import math
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any, Callable
+
+from RL2.rollout.env_workers import EnvWorkerPool, WorkerError
 
 logger = logging.getLogger(__name__)
 
@@ -85,10 +90,60 @@ async def _run_sync_in_daemon_thread(fn: Callable, *args) -> Any:
     return await fut
 
 
+async def _guarded(awaitable, name: str) -> Any:
+    """Await user code; SystemExit & co. become an EnvError here, inside the task, because an
+    asyncio Task re-raises SystemExit out of the event loop (ending the whole run)."""
+    try:
+        return await awaitable
+    except (Exception, asyncio.CancelledError, KeyboardInterrupt):
+        raise
+    except BaseException as e:
+        raise EnvError(f"{name} raised {type(e).__name__}: {e}") from None
+
+
+class LoopWatchdog:
+    """A daemon thread that notices when the event loop stops ticking for longer than
+    `threshold` seconds while one of the env tasks in `tasks` is running on it, and logs which."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, threshold: float):
+        self.loop, self.threshold = loop, threshold
+        self.tasks: set = set()
+        self.blocked: dict = {}  # task -> longest stall seen while it ran
+        self.last = time.monotonic()
+        loop.call_soon(self._tick)
+        threading.Thread(target=self._watch, daemon=True, name="rl2-loop-watchdog").start()
+
+    def beat(self) -> None:
+        self.last = time.monotonic()
+
+    def _tick(self) -> None:
+        self.last = time.monotonic()
+        if not self.loop.is_closed():
+            self.loop.call_later(min(0.05, self.threshold / 4), self._tick)
+
+    def _watch(self) -> None:
+        while not self.loop.is_closed():
+            time.sleep(min(0.1, self.threshold / 4))
+            stalled = time.monotonic() - self.last
+            if stalled <= self.threshold:
+                continue
+            task = asyncio.current_task(self.loop)  # a dict read; safe from another thread
+            if task is None or task not in self.tasks:
+                continue
+            if task not in self.blocked:
+                logger.error("event loop blocked for more than %.1fs by %s", self.threshold, task.get_name())
+            self.blocked[task] = stalled
+
+    def release(self, task) -> float:
+        self.tasks.discard(task)
+        return self.blocked.pop(task, 0.0)
+
+
 class Env:
     """A loaded environment script. Use `load_env` to build one."""
 
-    def __init__(self, module, path: str, env_args: dict | None = None, timeout: float | None = 60.0):
+    def __init__(self, module, path: str, env_args: dict | None = None, timeout: float | None = 60.0,
+                 workers: int = 0):
         self.module = module
         self.path = path
         self.env_args = dict(env_args or {})
@@ -96,6 +151,17 @@ class Env:
         self._step = module.step
         self._reset = getattr(module, "reset", None)
         self._close = getattr(module, "close", None)
+        self.pool = None
+        hooks = [f for f in (self._step, self._reset, self._close) if f is not None]
+        stateful = self.has_reset or self._close is not None  # per-trajectory state in the module
+        mixed = len({_is_async(f) for f in hooks}) > 1
+        if workers > 0 and mixed and stateful:
+            # async hooks run here, sync ones in a worker: they would see two copies of the state
+            logger.warning("env %s mixes async and sync hooks with reset/close: its sync hooks run "
+                           "in-process threads (not in env worker processes)", path)
+        elif workers > 0 and not all(_is_async(f) for f in hooks):
+            self.pool = EnvWorkerPool(str(Path(path).resolve()), self.env_args, workers, stateful=stateful)
+        self._watchdog = None
 
     @property
     def has_reset(self) -> bool:
@@ -105,20 +171,61 @@ class Env:
         """The extra_info a trajectory starts with: env_args defaults, row values, then the uid."""
         return {**self.env_args, **(row_extra_info or {}), "uid": uid}
 
-    async def _call(self, name: str, fn: Callable, *args) -> Any:
-        call = fn(*args) if _is_async(fn) else _run_sync_in_daemon_thread(fn, *args)
+    async def _call(self, name: str, fn: Callable, *args, limit: int | None = None) -> Any:
+        uid = args[-1].get("uid") if args and isinstance(args[-1], dict) else None
+        if not _is_async(fn) and self.pool is not None:
+            return await self._call_in_worker(name, args, uid, limit)
+        if _is_async(fn):
+            call = self._call_async(name, fn, args, uid)
+        else:
+            call = _run_sync_in_daemon_thread(fn, *args)
         deadline = asyncio.timeout(self.timeout)
         try:
             async with deadline:
                 out = await call
                 if inspect.isawaitable(out):  # a sync wrapper that returned a coroutine
-                    out = await out
+                    out = await _guarded(out, name)
             return out
         except TimeoutError:
             if not deadline.expired():  # the env's own TimeoutError: an ordinary failure
                 raise
             kind = "async" if _is_async(fn) else "sync (its thread is abandoned and keeps running)"
             raise EnvTimeout(f"{name}() of env {self.path} timed out after {self.timeout}s [{kind}]") from None
+
+    async def _call_async(self, name: str, fn: Callable, args: tuple, uid) -> Any:
+        """Run an async hook as its own named task, so that the loop watchdog can say which call
+        blocks the loop; a call that blocked it past the timeout fails when it returns."""
+        label = f"{name}() of env {self.path} (uid {uid})"
+        if self.timeout is not None:
+            if self._watchdog is None or self._watchdog.loop is not asyncio.get_running_loop():
+                self._watchdog = LoopWatchdog(asyncio.get_running_loop(), self.timeout)
+            self._watchdog.beat()
+        task = asyncio.ensure_future(_guarded(fn(*args), name))
+        task.set_name(label)
+        watchdog = self._watchdog if self.timeout is not None else None
+        if watchdog is not None:
+            watchdog.tasks.add(task)
+        try:
+            out = await task
+        finally:
+            task.cancel()
+            blocked = watchdog.release(task) if watchdog is not None else 0.0
+        if blocked:
+            raise EnvTimeout(f"{label} blocked the event loop for {blocked:.1f}s (timeout "
+                             f"{self.timeout}s); async hooks must not block (use asyncio.to_thread)")
+        return out
+
+    async def _call_in_worker(self, name: str, args: tuple, uid, limit) -> Any:
+        try:
+            answer = await self.pool.call(name, args, self.timeout, uid=uid, limit=limit)
+        except TimeoutError:
+            raise EnvTimeout(f"{name}() of env {self.path} timed out after {self.timeout}s "
+                             f"[sync; its worker process was killed and replaced]") from None
+        except WorkerError as e:
+            raise EnvError(f"{name}() of env {self.path}: {e}") from None
+        if answer[0] == "ok":
+            return answer[1]
+        raise EnvError(f"{answer[1]}: {answer[2]}")
 
     async def reset(self, extra_info: dict) -> tuple[str, dict]:
         """Initial state (and extra_info) of a trajectory whose prompt row has no prompt."""
@@ -132,19 +239,35 @@ class Env:
                            f"got {type(out).__name__}")
         return out, extra_info
 
-    async def step(self, state: str, action: str, extra_info: dict) -> dict:
-        """Call the script's step and return a validated dict with all five keys."""
-        out = await self._call("step", self._step, state, action, extra_info)
-        return self._validate(out, extra_info)
+    async def step(self, state: str, action: str, extra_info: dict, max_new_chars: int | None = None) -> dict:
+        """Call the script's step and return a validated dict with all five keys. With
+        `max_new_chars`, next_state is cut to len(state) + len(action) + max_new_chars characters
+        (in the worker, before it is sent back), so memory stays bounded whatever step returns."""
+        out = await self._call("step", self._step, state, action, extra_info, limit=max_new_chars)
+        out = self._validate(out, extra_info)
+        if max_new_chars is not None and out["next_state"] is not None:
+            out["next_state"] = out["next_state"][:len(state) + len(action) + max_new_chars]
+        return out
 
     async def close(self, extra_info: dict) -> None:
         """Call the optional close hook; failures are logged, never raised."""
-        if self._close is None:
-            return
         try:
-            await self._call("close", self._close, extra_info)
+            if self._close is not None:
+                await self._call("close", self._close, extra_info)
         except Exception as e:
             logger.warning("close() of env %s failed: %s", self.path, e)
+        finally:
+            if self.pool is not None:
+                self.pool.release(extra_info.get("uid"))
+
+    def start(self) -> None:
+        """Start the env worker processes now (each imports the script)."""
+        if self.pool is not None:
+            self.pool.start()
+
+    def shutdown(self) -> None:
+        if self.pool is not None:
+            self.pool.close()
 
     def _validate(self, out: Any, extra_info: dict) -> dict:
         where = f"step() of env {self.path}"
@@ -174,6 +297,9 @@ class Env:
 
     @staticmethod
     def _number(value: Any, key: str, where: str) -> float:
+        # bool is an int subclass and "1.0" parses as a float: both are bugs in the env, not numbers
+        if isinstance(value, (bool, str, bytes)) or "bool" in type(value).__name__:
+            raise EnvError(f"{where}: '{key}' must be a number, got {type(value).__name__} {value!r}")
         try:
             x = float(value)
         except (TypeError, ValueError):
@@ -201,10 +327,11 @@ def _import_script(path: Path):
     return module
 
 
-def load_env(env_path: str, env_args: dict | None = None, timeout: float | None = 60.0) -> Env:
+def load_env(env_path: str, env_args: dict | None = None, timeout: float | None = 60.0,
+             workers: int = 0) -> Env:
     """Import the environment script at `env_path` and check its hooks (at start-up, so that a
     bad path fails before any model is loaded). `timeout` (seconds, None/<=0 disables) bounds
-    every reset/step/close call."""
+    every reset/step/close call; `workers` > 0 runs sync hooks in that many worker processes."""
     if not env_path:
         raise EnvError("no env_path given: set actor.rollout.env_path to an environment script")
     path = Path(env_path).expanduser().resolve()
@@ -225,9 +352,10 @@ def load_env(env_path: str, env_args: dict | None = None, timeout: float | None 
             configure(**env_args)
         except Exception as e:
             raise EnvError(f"configure(**env_args) of env {env_path} failed: {type(e).__name__}: {e}") from e
-    env = Env(module, str(env_path), env_args, timeout)
-    logger.info("Loaded env %s (step: %s, reset: %s, timeout: %s)", env_path,
-                "async" if _is_async(step) else "sync", env.has_reset, env.timeout)
+    env = Env(module, str(env_path), env_args, timeout, workers)
+    logger.info("Loaded env %s (step: %s, reset: %s, timeout: %s, worker processes: %s)", env_path,
+                "async" if _is_async(step) else "sync", env.has_reset, env.timeout,
+                env.pool.size if env.pool else 0)
     return env
 
 

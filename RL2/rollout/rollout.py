@@ -60,6 +60,7 @@ class Rollout:
                 # SGLang/vLLM run on the loop they were created with: trajectories use that one.
                 self.loop.close()
                 self.loop = self.engine.loop
+            env.start()  # env worker processes for sync hooks (only leaders run trajectories)
         # For an SGLang group the rest of the group only takes part in the weight gathers.
 
     def sync(self, model) -> dict:
@@ -206,6 +207,7 @@ class Rollout:
                     f.write(json.dumps(dict(t.to_json(), group_status=st)) + "\n")
 
     def shutdown(self):
+        self.env.shutdown()
         if self.engine is not None:
             self.engine.shutdown()
         if self.loop.is_closed() or self.loop.is_running():  # an engine that owns its loop

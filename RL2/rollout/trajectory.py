@@ -83,6 +83,20 @@ class _Sequence:
         }
 
 
+_TOKEN_CHARS: dict[int, int] = {}
+
+
+def _max_token_chars(tokenizer) -> int:
+    """Longest text one token can stand for (in characters, bytes for byte-level BPE): any text of
+    k * this many characters has at least k tokens, so cutting env text there keeps every token
+    that can fit."""
+    key = id(tokenizer)
+    if key not in _TOKEN_CHARS:
+        tokens = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+        _TOKEN_CHARS[key] = max(1, max(len(t) for t in tokens if t is not None))
+    return _TOKEN_CHARS[key]
+
+
 def _encode(tokenizer, text: str) -> list[int]:
     return list(tokenizer.encode(text, add_special_tokens=False))
 
@@ -116,6 +130,13 @@ async def run_trajectory(engine, tokenizer, env: Env, prompt: dict, sampling_par
     `failed=True` and never raise; the samples generated so far are kept. Engine errors propagate.
     """
     max_turns = max(1, int(max_turns))
+    chars_per_token = _max_token_chars(tokenizer)
+
+    def char_budget(tokens: int | None, text: str | None = None):
+        """Characters that surely hold `tokens` tokens (or `text` cut to them)."""
+        chars = None if tokens is None else max(0, tokens) * chars_per_token
+        return chars if text is None else (text if chars is None else text[:chars])
+
     extra_info = env.initial_extra_info(prompt.get("extra_info"), uid)
     traj = Trajectory(uid=uid, extra_info=extra_info)
     sequences: list[_Sequence] = []
@@ -140,7 +161,8 @@ async def run_trajectory(engine, tokenizer, env: Env, prompt: dict, sampling_par
                 return traj
             extra_info = extra_info if "uid" in extra_info else {**extra_info, "uid": uid}
             traj.extra_info = extra_info
-            ids = _encode(tokenizer, state)
+            state = char_budget(max_length, state)
+            ids = _encode(tokenizer, state)[:max_length]
         traj.prompt_text = state
         seq = _Sequence(ids)
         sequences.append(seq)
@@ -160,7 +182,7 @@ async def run_trajectory(engine, tokenizer, env: Env, prompt: dict, sampling_par
             traj.num_turns = turn + 1
 
             try:
-                res = await env.step(state, action, extra_info)
+                res = await env.step(state, action, extra_info, max_new_chars=char_budget(max_length))
             except Exception as e:
                 fail(f"step (turn {turn})", e, record)
                 break
@@ -179,17 +201,23 @@ async def run_trajectory(engine, tokenizer, env: Env, prompt: dict, sampling_par
 
             next_state, prefix = res["next_state"], state + action
             merged = next_state.startswith(prefix)
-            record["env_text"] = next_state[len(prefix):] if merged else next_state
-            record["new_sequence"] = not merged
-            state = next_state
+            # Env text is cut to what could fit before it is tokenised: memory stays bounded
+            # whatever step returns; a turn that does not fit ends the trajectory as truncated.
+            room = None if max_length is None else (max_length - len(seq.ids) if merged else max_length)
+            env_text = char_budget(room, next_state[len(prefix):] if merged else next_state)
+            record["env_text"], record["new_sequence"] = env_text, not merged
+            state = prefix + env_text if merged else env_text
             if turn == max_turns - 1:
                 traj.truncated = True
                 break
-            if merged:
-                seq.add(_encode(tokenizer, record["env_text"]), action=False)
-            else:
-                seq = _Sequence(_encode(tokenizer, next_state))
+            env_ids = _encode(tokenizer, env_text)
+            if not merged:
+                seq = _Sequence([])
                 sequences.append(seq)
+            seq.add(env_ids[:room], action=False)
+            if room is not None and len(env_ids) >= room:
+                traj.truncated = True
+                break
     finally:
         await env.close(extra_info)
 

@@ -11,8 +11,9 @@ from RL2.data.io import load_rows, split_train_test
 from RL2.data.loader import StepSampler, eval_batches
 from RL2.parallel.mesh import init_distributed
 from RL2.utils import checkpoint
-from RL2.utils.config import load_config
-from RL2.utils.logging import MetricLogger, is_rank0, setup_logging
+from RL2.utils.config import check_optimizer_config, load_config
+from RL2.utils.logging import MetricLogger, drop_dumps_after, is_rank0, setup_logging
+from RL2.utils.process import die_with_torchrun_agent
 from RL2.utils.seeding import seed_everything
 from RL2.workers.actor import Actor
 
@@ -77,9 +78,11 @@ class Trainer:
         self.step = 0
 
     def validate_layouts(self):
-        """Mesh sizes must divide the world size: checked before any data or model is loaded."""
+        """Mesh sizes must divide the world size, optimizer keys must make sense: checked before
+        any data or model is loaded."""
         from RL2.parallel.mesh import ParallelDims
 
+        check_optimizer_config(self.cfg)
         for name in ("actor", "critic"):
             w = self.cfg.get(name)
             if w is None:
@@ -94,11 +97,14 @@ class Trainer:
         """Tokenise train and test rows up front (bad rows stop the run here, before any model
         is built, unless data.train.skip_bad_rows counts and skips them)."""
         data = self.cfg.data
-        rows = load_rows(data.train.path)
-        test_rows, test_source = None, None
-        if data.test.path:
-            test_rows, test_source = load_rows(data.test.path), data.test.path
-        elif data.test_ratio > 0:
+        try:  # empty, malformed, missing: a message naming the file (and line), no traceback
+            rows = load_rows(data.train.path)
+            test_rows, test_source = None, None
+            if data.test.path:
+                test_rows, test_source = load_rows(data.test.path), data.test.path
+        except (ValueError, FileNotFoundError) as e:
+            raise SystemExit(f"bad data: {e}") from None
+        if test_rows is None and data.test_ratio > 0:
             rows, test_rows = split_train_test(rows, data.test_ratio, self.cfg.trainer.seed)
             test_source = f"{data.train.path} (test_ratio split)"
         train = self._tokenize_all(rows, data.train.path, tokenize)
@@ -113,7 +119,8 @@ class Trainer:
                 out.append(tokenize(row, row_index=i, source=source))
             except ValueError as e:
                 if not self.cfg.data.train.skip_bad_rows:
-                    raise SystemExit(f"bad data: {e}\n(set data.train.skip_bad_rows=true to skip and count such rows)")
+                    raise SystemExit(f"bad data: {e}\n(rows count from 0: row {i} is line {i + 1} of a JSON "
+                                     f"Lines file; set data.train.skip_bad_rows=true to skip and count such rows)")
                 skipped += 1
                 if skipped <= 5:
                     logger.warning(f"skipping: {e}")
@@ -188,6 +195,9 @@ class Trainer:
             path = checkpoint.resolve_ckpt(src, self.run_dir)
             state = checkpoint.load_checkpoint(path, self.trained_workers())
             self.step = state["step"]
+            # the steps after the checkpoint are replayed: each must appear once in the dumps
+            # (MetricLogger cuts metrics.jsonl back the same way)
+            drop_dumps_after(os.path.join(self.run_dir, "rollouts"), self.step)
 
     def save_final(self):
         for i, (name, w) in enumerate(self.trained_workers().items()):
@@ -225,6 +235,7 @@ class Trainer:
     @classmethod
     def launch(cls, config_name: str) -> None:
         """`torchrun -m RL2.trainer.<config_name> key=value ...`: build, train, close."""
+        die_with_torchrun_agent()  # stopping the job (killing torchrun) stops the workers
         trainer = cls(load_config(config_name))
         trainer.fit()
         trainer.close()

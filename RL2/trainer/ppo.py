@@ -89,6 +89,8 @@ def check_config(cfg):
         problems.append(f"actor.rollout.weight_sync={r.weight_sync!r}: use one of {TRANSPORTS}")
     if r.bucket_mb <= 0:
         problems.append(f"actor.rollout.bucket_mb={r.bucket_mb} must be > 0")
+    if r.env_workers < 0:
+        problems.append(f"actor.rollout.env_workers={r.env_workers} must be >= 0")
     if not 0 <= r.max_failed_ratio <= 1:
         problems.append(f"actor.rollout.max_failed_ratio={r.max_failed_ratio} must be in [0, 1]")
     # A rollout sequence must fit one micro-batch of every worker that reads it.
@@ -111,7 +113,7 @@ class PPOTrainer(Trainer):
         check_config(cfg)
         r = cfg.actor.rollout
         try:
-            env = load_env(r.env_path, dict(r.env_args), r.env_timeout)
+            env = load_env(r.env_path, dict(r.env_args), r.env_timeout, r.env_workers)
         except EnvError as e:
             raise SystemExit(f"environment error: {e}") from None
         super().__init__(cfg)

@@ -26,6 +26,36 @@ def load_config(name: str, overrides: list[str] | None = None) -> DictConfig:
     return cfg
 
 
+SCHEDULERS = ("constant", "cosine", "linear")  # RL2/workers/worker.py make_scheduler
+
+
+def check_optimizer_config(cfg: DictConfig) -> None:
+    """Optimizer keys of every worker section, checked before any model is built. Raises
+    SystemExit naming each bad key and what to use."""
+    problems = []
+    for name in ("actor", "critic"):
+        w = cfg.get(name)
+        if w is None or "lr" not in w:
+            continue
+        if w.lr < 0:
+            problems.append(f"{name}.lr={w.lr} must be >= 0")
+        if w.scheduler not in SCHEDULERS:
+            problems.append(f"{name}.scheduler={w.scheduler!r}: use one of {', '.join(SCHEDULERS)}")
+        for key, low, high in (("warmup_ratio", 0, 1), ("min_lr_ratio", 0, 1)):
+            if not low <= w[key] <= high:
+                problems.append(f"{name}.{key}={w[key]} must be in [{low}, {high}]")
+        if w.weight_decay < 0:
+            problems.append(f"{name}.weight_decay={w.weight_decay} must be >= 0")
+        if w.eps <= 0:
+            problems.append(f"{name}.eps={w.eps} must be > 0")
+        if not all(0 <= b < 1 for b in w.betas):
+            problems.append(f"{name}.betas={list(w.betas)} must each be in [0, 1)")
+        if w.max_grad_norm is not None and w.max_grad_norm <= 0:
+            problems.append(f"{name}.max_grad_norm={w.max_grad_norm} must be > 0 (or null)")
+    if problems:
+        raise SystemExit("invalid config:\n  " + "\n  ".join(problems))
+
+
 def resolve_dtype(name: str, device: str) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device == "cuda" else torch.float32

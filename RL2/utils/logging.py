@@ -3,6 +3,7 @@ TensorBoard when enabled)."""
 import json
 import logging
 import os
+import re
 import time
 
 import torch.distributed as dist
@@ -40,11 +41,34 @@ def setup_logging(level=logging.INFO):
 
 def keep_rows_up_to(path: str, step: int):
     """Drop the rows of `metrics.jsonl` logged after `step` (by a run that went on past its last
-    checkpoint before it died), so a resumed run's file holds every step once."""
+    checkpoint before it died), so a resumed run's file holds every step once. A line cut off by
+    the kill is dropped too; the file is replaced atomically."""
+    kept = []
     with open(path) as f:
-        lines = [line for line in f if line.strip() and json.loads(line).get("step", 0) <= step]
-    with open(path, "w") as f:
-        f.writelines(lines)
+        for line in f:
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # blank, or the half-written last line of a killed run
+            if row.get("step", 0) <= step:
+                kept.append(json.dumps(row) + "\n")
+    with open(path + ".tmp", "w") as f:
+        f.writelines(kept)
+    os.replace(path + ".tmp", path)
+
+
+_DUMP = re.compile(r"(?:test_)?step(\d+)\.jsonl")
+
+
+def drop_dumps_after(rollout_dir: str, step: int) -> None:
+    """On resume from the checkpoint of `step`: delete the rollout dumps `{,test_}step{N}.jsonl`
+    with N > step written by the crashed run (the replayed steps write them again). Rank 0 only."""
+    if not is_rank0() or not os.path.isdir(rollout_dir):
+        return
+    for name in os.listdir(rollout_dir):
+        m = _DUMP.fullmatch(name)
+        if m and int(m.group(1)) > step:
+            os.remove(os.path.join(rollout_dir, name))
 
 
 class MetricLogger:

@@ -1,0 +1,37 @@
+"""Processes that stop with their parent: when torchrun's agent (or the trainer, for env workers)
+dies, its children must not run on, finish the job and write `final/` after the user stopped it.
+torch-elastic starts each worker in its own session, so killing the agent's process group does
+not reach them."""
+import os
+import signal
+import time
+
+
+def die_with_parent(sig: int = signal.SIGKILL) -> None:
+    """Ask the kernel to send `sig` to this process when its parent dies (Linux prctl
+    PR_SET_PDEATHSIG); elsewhere a daemon thread polls the parent pid. Exits at once if the
+    parent is already gone."""
+    parent = os.getppid()
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(1, int(sig), 0, 0, 0) != 0:  # 1 = PR_SET_PDEATHSIG
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    except (OSError, AttributeError):
+        import threading
+
+        def watch():
+            while os.getppid() == parent:
+                time.sleep(1.0)
+            os.kill(os.getpid(), sig)
+
+        threading.Thread(target=watch, daemon=True, name="rl2-parent-watch").start()
+    if os.getppid() != parent:  # the parent died before the signal was armed
+        os.kill(os.getpid(), sig)
+
+
+def die_with_torchrun_agent() -> None:
+    """In a process started by torchrun (TORCHELASTIC_RUN_ID is set), exit when the agent dies."""
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        die_with_parent(signal.SIGKILL)

@@ -1,0 +1,57 @@
+"""Stopping a job stops it: killing torchrun's process group leaves no trainer worker (they run in
+their own sessions, so the group kill does not reach them) and no env worker process."""
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.dist_utils import free_port
+
+
+def pids_with(needle: str) -> list[int]:
+    """Live (non-zombie) processes whose command line contains `needle`."""
+    out = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+            with open(f"/proc/{pid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if needle in cmd and state != "Z":
+            out.append(int(pid))
+    return out
+
+
+@pytest.mark.slow
+def test_killing_the_torchrun_group_leaves_no_worker(assets, tmp_path):
+    # A long SFT run on 2 ranks; the run directory in the command line identifies its processes.
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
+           f"--master_port={free_port()}", "-m", "RL2.trainer.sft", f"actor.model_name={assets['model']}",
+           f"data.train.path={assets['data']}/sft_train.jsonl", "data.train.batch_size=8",
+           "trainer.total_steps=100000", f"trainer.save_dir={tmp_path}", "trainer.device=cpu"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    agent = subprocess.Popen(cmd, env=env, start_new_session=True, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL)
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    try:
+        deadline = time.monotonic() + 300
+        while not (metrics.exists() and metrics.read_text().strip()):  # the workers are training
+            assert agent.poll() is None and time.monotonic() < deadline, "the run did not start"
+            time.sleep(0.5)
+        workers = [p for p in pids_with(f"trainer.save_dir={tmp_path}") if p != agent.pid]
+        assert len(workers) == 2
+        os.killpg(agent.pid, signal.SIGKILL)  # what a scheduler or `kill -9 -PGID` does
+        agent.wait()
+        deadline = time.monotonic() + 10
+        while pids_with(f"trainer.save_dir={tmp_path}") and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert pids_with(f"trainer.save_dir={tmp_path}") == []
+        assert not (tmp_path / "run" / "final").exists()
+    finally:
+        for pid in pids_with(f"trainer.save_dir={tmp_path}"):
+            os.kill(pid, signal.SIGKILL)

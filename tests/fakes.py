@@ -27,3 +27,171 @@ class ScriptedEngine(Engine):
 
     def shutdown(self):
         pass
+
+
+# ---------------------------------------------------------------------------------------------
+# A fake `sglang.Engine` that enforces SGLang 0.5.23's rules (read from its source; file paths
+# are inside the sglang wheel), so adapter mistakes fail on CPU:
+# - srt/managers/scheduler_components/weight_updater.py: `release_memory_occupation` adds its
+#   tags (None/[] = all of constants.GPU_MEMORY_ALL_TYPES) to `offload_tags`;
+#   `resume_memory_occupation` does `offload_tags.remove(tag)` -> KeyError for a tag that is not
+#   released (the scheduler process dies). Releasing needs an idle engine (an assert).
+# - torch_memory_saver (0.0.10, C++): pausing a paused region fails ("Cannot pause allocation
+#   that is not active"), resuming an active one too ("... not paused").
+# - same file: `update_weights_from_tensor` outside `begin_weight_update()` /
+#   `end_weight_update()` returns (False, "... must run between ..."); a second begin or an end
+#   without begin returns (False, ...). The Engine methods return (success, message)
+#   (srt/managers/tokenizer_control_mixin.py); release/resume return None.
+# - srt/managers/tp_worker.py `deserialize_own_rank`: TP rank i deserialises payload i of a
+#   `load_format="flattened_bucket"` update; there must be one payload per TP rank.
+# - Writing or sampling with released weight / KV memory is undefined on a GPU (garbage or a
+#   CUDA fault); the fake raises.
+# ---------------------------------------------------------------------------------------------
+import asyncio
+import os
+import pickle
+
+SGLANG_TAGS = ("kv_cache", "weights", "cuda_graph")  # sglang/srt/constants.py GPU_MEMORY_ALL_TYPES
+
+
+class FakeSGLang:
+    """Stands in for `sglang.Engine(**server_args)`; `calls` records every call."""
+
+    def __init__(self, **server_args):
+        self.server_args, self.calls = server_args, []
+        self.env_at_start = dict(os.environ)
+        self.loop = asyncio.new_event_loop()
+        self.offload_tags: set[str] = set()   # the scheduler's set
+        self.paused: set[str] = set()         # torch_memory_saver's regions
+        self.session = False
+        self.weights: dict = {}
+        self.in_flight = 0
+        self.fail_update = None  # a message: the next update returns (False, message)
+
+    async def async_generate(self, input_ids=None, sampling_params=None, return_logprob=False):
+        if self.paused & {"weights", "kv_cache"}:
+            raise RuntimeError(f"generate with released memory {sorted(self.paused)}")
+        self.calls.append(("generate", input_ids, dict(sampling_params), return_logprob))
+        n = len([c for c in self.calls if c[0] == "generate"])
+        self.in_flight += 1
+        await asyncio.sleep(0)
+        self.in_flight -= 1
+        return {"text": "xy", "output_ids": [10 + n, 20 + n],
+                "meta_info": {"output_token_logprobs": [(-0.5, 10 + n, None), (-0.25, 20 + n, None)],
+                              "finish_reason": {"type": "stop" if n % 2 else "length", "matched": 3}}}
+
+    def begin_weight_update(self, selector="all"):
+        self.calls.append(("begin",))
+        if self.session:
+            return False, "a weight-update session is already open; call end_weight_update() first"
+        if "weights" in self.paused:
+            raise RuntimeError("begin_weight_update restores weights in released memory")
+        self.session = True
+        return True, "Success"
+
+    def end_weight_update(self):
+        self.calls.append(("end",))
+        if not self.session:
+            return False, "no weight-update session is open; call begin_weight_update() first"
+        self.session = False
+        return True, "Success"
+
+    def update_weights_from_tensor(self, named_tensors, load_format=None, flush_cache=True):
+        if not self.session:
+            return (False, "update_weights_from_tensor must run between begin_weight_update() "
+                           "and end_weight_update()")
+        if "weights" in self.paused:
+            raise RuntimeError("update_weights_from_tensor into released weight memory")
+        if load_format == "flattened_bucket":
+            tp = self.server_args.get("tp_size", 1)
+            if len(named_tensors) != tp:
+                raise IndexError(f"{len(named_tensors)} payloads for {tp} TP ranks")
+            per_rank = [FakeFlattenedTensorBucket.load(p) for p in named_tensors]
+            named = per_rank[0]
+        else:
+            per_rank, named = None, list(named_tensors)
+        self.calls.append(("update", [n for n, _ in named], flush_cache, per_rank))
+        if self.fail_update:
+            message, self.fail_update = self.fail_update, None
+            return False, message
+        self.weights.update((n, t.clone()) for n, t in named)
+        if flush_cache and self.in_flight:
+            return False, "Weights were updated, but the cache was not flushed"
+        return True, "Success"
+
+    def release_memory_occupation(self, tags=None):
+        assert self.in_flight == 0, "release_memory_occupation should be called only when server is idle."
+        tags = list(tags) if tags else list(SGLANG_TAGS)
+        self.calls.append(("release", tags))
+        self.offload_tags.update(tags)
+        for tag in tags:
+            if tag in self.paused:
+                raise RuntimeError("[torch_memory_saver.cpp] Cannot pause allocation that is not active.")
+            self.paused.add(tag)
+
+    def resume_memory_occupation(self, tags=None):
+        tags = list(tags) if tags else list(SGLANG_TAGS)
+        self.calls.append(("resume", tags))
+        for tag in tags:
+            self.offload_tags.remove(tag)  # KeyError, as in SGLang
+        for tag in tags:
+            if tag not in self.paused:
+                raise RuntimeError("[torch_memory_saver.cpp] Cannot resume allocation that is not paused.")
+            self.paused.discard(tag)
+
+    def flush_cache(self):
+        return True
+
+    def shutdown(self):
+        self.calls.append(("shutdown",))
+
+
+class FakeFlattenedTensorBucket:
+    """sglang/srt/weight_sync/tensor_bucket.py FlattenedTensorBucket, same constructor and
+    accessors; payloads are plain pickles instead of CUDA-IPC handles."""
+
+    def __init__(self, named_tensors=None, flattened_tensor=None, metadata=None):
+        if not named_tensors:
+            raise ValueError("Cannot create empty tensor bucket")
+        self.named = [(n, t.detach().clone()) for n, t in named_tensors]
+
+    def get_flattened_tensor(self):
+        return self.named
+
+    def get_metadata(self):
+        return [(n, t.dtype, tuple(t.shape)) for n, t in self.named]
+
+    @staticmethod
+    def load(payload):
+        return pickle.loads(payload)["flattened_tensor"]
+
+
+class FakeSerializer:
+    @staticmethod
+    def serialize(obj, output_str=False):
+        return pickle.dumps(obj)
+
+
+class FakeSamplingParams:
+    def __init__(self, max_new_tokens=128, stop=None, stop_token_ids=None, temperature=1.0, top_p=1.0,
+                 top_k=-1, skip_special_tokens=True, sampling_seed=None):
+        pass
+
+
+def install_fake_sglang(monkeypatch):
+    """Put fake `sglang` modules into sys.modules (what the adapter imports)."""
+    import sys
+    import types
+
+    names = ["sglang", "sglang.srt", "sglang.srt.sampling", "sglang.srt.sampling.sampling_params",
+             "sglang.srt.utils", "sglang.srt.utils.common", "sglang.srt.utils.patch_torch",
+             "sglang.srt.weight_sync", "sglang.srt.weight_sync.tensor_bucket"]
+    mods = {n: types.ModuleType(n) for n in names}
+    mods["sglang"].Engine = FakeSGLang
+    mods["sglang.srt.sampling.sampling_params"].SamplingParams = FakeSamplingParams
+    mods["sglang.srt.utils.common"].MultiprocessingSerializer = FakeSerializer
+    mods["sglang.srt.utils.patch_torch"].monkey_patch_torch_reductions = lambda: None
+    mods["sglang.srt.weight_sync.tensor_bucket"].FlattenedTensorBucket = FakeFlattenedTensorBucket
+    for name, module in mods.items():
+        monkeypatch.setitem(sys.modules, name, module)
+    return mods

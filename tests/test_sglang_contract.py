@@ -1,22 +1,31 @@
-"""SGLang adapter: the bucket builder (pure, CPU), the adapter's mapping against a fake
-`sglang.Engine`, and — only where sglang is installed (its own GPU environment:
-`pip install -e .[sglang]`, then `pytest tests/test_sglang_contract.py`) — the contract that every
-SGLang method and parameter the adapter uses exists."""
-import asyncio
+"""SGLang adapter, checked on CPU against `tests/fakes.py::FakeSGLang`, a fake that enforces
+SGLang 0.5.23's state machine (released-tag set, torch_memory_saver pause/resume rules, weight
+update sessions, (success, message) results, one payload per TP rank). The signatures and rules
+the fake encodes are checked against the real sglang 0.5.23 source in
+tests/test_sglang_source.py (the wheel's Python files, parsed; no import, no GPU).
+
+What only a GPU can show (not run here): CUDA-IPC payloads actually opened by SGLang's TP workers,
+torch_memory_saver's real memory behaviour, SGLang's log-probs equal to the trainer's after a
+sync (scripts/gpu_smoke.sh checks these on a GPU)."""
 import importlib.util
 import inspect
+import os
 import random
 import sys
-import types
 
 import pytest
 import torch
+from torch import nn
 
 from RL2.rollout.engine import SamplingParams
+from RL2.rollout.sglang_engine import SGLangEngine, SGLangPeer, make_buckets, param_names
+from RL2.rollout.weight_sync import WeightSync
 from RL2.utils.seeding import derive_seed
-from RL2.rollout.sglang_engine import SGLangEngine, make_buckets, param_names
+from tests.dist_utils import run_dist
+from tests.fakes import FakeSamplingParams, FakeSGLang, install_fake_sglang
 
 HAS_SGLANG = importlib.util.find_spec("sglang") is not None
+ALL = ["weights", "cuda_graph", "kv_cache"]
 
 
 def random_tensors(seed=0, n=60):
@@ -63,59 +72,31 @@ def test_make_buckets_rejects_bad_size_and_streams():
     assert [n for n, _ in first] == ["w0", "w1"]
 
 
-class FakeSGLang:
-    """Records calls; answers like sglang.Engine.async_generate with return_logprob=True."""
-
-    def __init__(self, **server_args):
-        self.server_args, self.calls = server_args, []
-        self.loop = asyncio.new_event_loop()
-
-    async def async_generate(self, input_ids=None, sampling_params=None, return_logprob=False):
-        self.calls.append(("generate", input_ids, dict(sampling_params), return_logprob))
-        n = len(self.calls)
-        return {"text": "xy", "output_ids": [10 + n, 20 + n],
-                "meta_info": {"output_token_logprobs": [(-0.5, 10 + n, None), (-0.25, 20 + n, None)],
-                              "finish_reason": {"type": "stop" if n % 2 else "length", "matched": 3}}}
-
-    def update_weights_from_tensor(self, named_tensors, load_format=None, flush_cache=True):
-        self.calls.append(("update", [name for name, _ in named_tensors], flush_cache))
-
-    def release_memory_occupation(self, tags=None):
-        self.calls.append(("release", tags))
-
-    def resume_memory_occupation(self, tags=None):
-        self.calls.append(("resume", tags))
-
-    def shutdown(self):
-        self.calls.append(("shutdown",))
-
-
-class FakeSamplingParams:
-    def __init__(self, max_new_tokens=128, stop=None, stop_token_ids=None, temperature=1.0, top_p=1.0,
-                 top_k=-1, skip_special_tokens=True, sampling_seed=None):
-        pass
-
-
 @pytest.fixture
 def fake_sglang(monkeypatch):
-    sampling = types.ModuleType("sglang.srt.sampling.sampling_params")
-    sampling.SamplingParams = FakeSamplingParams
-    modules = {"sglang": types.ModuleType("sglang"), "sglang.srt": types.ModuleType("sglang.srt"),
-               "sglang.srt.sampling": types.ModuleType("sglang.srt.sampling"),
-               "sglang.srt.sampling.sampling_params": sampling}
-    modules["sglang"].Engine = FakeSGLang
-    for name, module in modules.items():
-        monkeypatch.setitem(sys.modules, name, module)
+    install_fake_sglang(monkeypatch)
+
+
+def new_engine(**kw) -> SGLangEngine:
+    kw.setdefault("dtype", "bfloat16")  # no config to read: /models/x does not exist
+    return SGLangEngine("/models/x", None, **kw)
 
 
 def test_adapter_maps_requests_and_outputs(fake_sglang):
-    engine = SGLangEngine("/models/x", None, tp_size=2, mem_fraction_static=0.6, base_gpu_id=2,
-                          port=31000, bucket_bytes=100, log_level="warning")
+    engine = new_engine(tp_size=2, mem_fraction_static=0.6, base_gpu_id=2, port=31000,
+                        bucket_bytes=100, log_level="warning")
     fake = engine.engine
     assert fake.server_args == dict(model_path="/models/x", tp_size=2, mem_fraction_static=0.6,
-                                    base_gpu_id=2, port=31000, enable_memory_saver=True, log_level="warning")
+                                    base_gpu_id=2, port=31000, enable_memory_saver=True,
+                                    dtype="bfloat16", log_level="warning")
     assert engine.loop is fake.loop
+    # released at start-up: generating needs a sync (which resumes) first
+    assert fake.calls == [("release", ALL)]
     params = SamplingParams(temperature=0.7, top_k=0, max_new_tokens=5, stop=["</a>"], n=2, seed=9)
+    with pytest.raises(RuntimeError, match="released"):
+        engine.loop.run_until_complete(engine.generate([1, 2, 3], params))
+    engine.resume_memory()
+    fake.calls.clear()
     outs = engine.loop.run_until_complete(engine.generate([1, 2, 3], params))
     assert [(o.token_ids, o.logprobs, o.finish_reason) for o in outs] == [
         ([11, 21], [-0.5, -0.25], "stop"), ([12, 22], [-0.5, -0.25], "length")]
@@ -130,21 +111,135 @@ def test_adapter_maps_requests_and_outputs(fake_sglang):
     engine.loop.close()
 
 
-def test_adapter_weight_update_flushes_once_and_memory_tags(fake_sglang):
-    engine = SGLangEngine("/models/x", bucket_bytes=100)
+def small_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 3, bias=False))
+
+
+def test_fake_enforces_sglang_rules(fake_sglang):
+    """The fake refuses what SGLang 0.5.23 refuses (else the tests below prove nothing)."""
+    fake = FakeSGLang(tp_size=1)
+    with pytest.raises(KeyError):
+        fake.resume_memory_occupation(["weights"])          # never released: offload_tags.remove
+    fake = FakeSGLang(tp_size=1)
+    fake.release_memory_occupation()                      # None = all tags
+    with pytest.raises(RuntimeError, match="not active"):
+        fake.release_memory_occupation(["cuda_graph"])    # paused twice
+    fake.resume_memory_occupation(["weights"])
+    ok, message = fake.update_weights_from_tensor([("w", torch.zeros(1))])
+    assert not ok and "begin_weight_update" in message
+    assert fake.begin_weight_update() == (True, "Success")
+    assert fake.begin_weight_update()[0] is False
+    assert fake.end_weight_update() == (True, "Success")
+    assert fake.end_weight_update()[0] is False
+
+
+def test_weight_sync_cycles_follow_sglang_order(fake_sglang):
+    """First sync right after start-up, then release/sync cycles: explicit tags, each resumed
+    once, update inside begin/end, engine dtype, flush on the last bucket only. On the old
+    adapter the first sync resumed a tag that was never released (KeyError in SGLang's
+    scheduler) and updated outside a session."""
+    engine = new_engine(bucket_bytes=16)
     fake = engine.engine
-    named = [(f"w{i}", torch.zeros(10)) for i in range(7)] + [("h", torch.zeros(10, dtype=torch.bfloat16))]
-    engine.release_memory()
-    engine.resume_memory(["weights"])
-    engine.update_weights(iter(named))
-    engine.resume_memory(["kv_cache"])
+    model = small_model()
+    sync = WeightSync(model, "local")
+    for cycle in range(2):
+        fake.calls.clear()
+        sync(engine)
+        engine.loop.run_until_complete(engine.generate([1], SamplingParams(max_new_tokens=2)))
+        engine.release_memory()
+        kinds = [c[0] for c in fake.calls]
+        assert kinds[:2] == ["resume", "begin"] and fake.calls[0] == ("resume", ["weights"])
+        n_updates = kinds.count("update")
+        assert kinds[2:2 + n_updates + 2] == ["update"] * n_updates + ["end", "resume"]
+        assert fake.calls[3 + n_updates] == ("resume", ["cuda_graph", "kv_cache"])
+        assert fake.calls[-1] == ("release", ALL)
+        flushes = [c[2] for c in fake.calls if c[0] == "update"]
+        assert n_updates > 1 and flushes == [False] * (n_updates - 1) + [True]
+    for name, tensor in model.state_dict().items():
+        assert fake.weights[name].dtype == torch.bfloat16
+        assert torch.equal(fake.weights[name], tensor.to(torch.bfloat16))
     engine.shutdown()
     engine.loop.close()
-    updates = [c for c in fake.calls if c[0] == "update"]
-    assert [n for c in updates for n in c[1]] == [n for n, _ in named]
-    assert [c[2] for c in updates] == [False] * (len(updates) - 1) + [True]
-    assert [c for c in fake.calls if c[0] != "update"] == [
-        ("release", None), ("resume", ["weights"]), ("resume", ["kv_cache"]), ("shutdown",)]
+
+
+def test_failed_update_raises_and_closes_the_session(fake_sglang):
+    """(success, message) is checked: a failed update raises (old adapter: silently sampled from
+    stale weights) and the session is closed, so the next sync works."""
+    engine = new_engine()
+    fake = engine.engine
+    sync = WeightSync(small_model(), "local")
+    fake.fail_update = "shape mismatch for w"
+    with pytest.raises(RuntimeError, match="shape mismatch for w"):
+        sync(engine)
+    assert not fake.session
+    sync(engine)
+    assert fake.weights
+    engine.loop.close()
+
+
+def test_release_and_resume_are_idempotent(fake_sglang):
+    engine = new_engine()
+    engine.release_memory()
+    engine.release_memory(["kv_cache"])
+    engine.resume_memory(["weights"])
+    engine.resume_memory(["weights"])
+    engine.resume_memory()
+    engine.resume_memory()
+    assert engine.engine.offload_tags == set() and engine.released == set()
+    with pytest.raises(ValueError, match="unknown SGLang memory tags"):
+        engine.release_memory(["kv"])
+    engine.loop.close()
+
+
+def test_engine_starts_without_torchrun_agent_store(fake_sglang, monkeypatch):
+    """SGLang's subprocesses must not inherit TORCHELASTIC_USE_AGENT_STORE (their c10d stores
+    would all be clients: start-up hangs); the trainer's environment is restored afterwards."""
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    engine = new_engine()
+    assert not any(k.startswith("TORCHELASTIC_") for k in engine.engine.env_at_start)
+    assert os.environ["TORCHELASTIC_USE_AGENT_STORE"] == "True"
+    engine.loop.close()
+
+
+def _tp_group_update(rank, world):
+    """Rank 0 holds the engine (tp_size=2), rank 1 a peer. Each rank streams tensors filled with
+    its own rank id: payload i must come from rank i (each SGLang TP rank reads its own GPU
+    copy), cast to the engine dtype."""
+    import torch.distributed as dist
+
+    class Patch:
+        def setitem(self, d, k, v):
+            d[k] = v
+    install_fake_sglang(Patch())
+    group = dist.new_group([0, 1], backend="gloo")
+    named = [(f"w{i}", torch.full((4,), float(rank))) for i in range(3)]
+    if rank == 0:
+        actor = SGLangEngine("/models/x", tp_size=2, dtype="bfloat16", bucket_bytes=32, group=group)
+        actor.resume_memory()
+    else:
+        actor = SGLangPeer(group, 32, torch.bfloat16)
+    actor.update_weights(iter(named))
+    if rank == 0:
+        actor.engine.fail_update = "bad bucket"
+    try:
+        actor.update_weights(iter(named))
+        failed = None
+    except RuntimeError as e:
+        failed = str(e)
+    if rank == 0:
+        updates = [c for c in actor.engine.calls if c[0] == "update"]
+        per_rank = [[(n, t.dtype, t.tolist()) for n, t in payload] for payload in updates[0][3]]
+        return per_rank, [c[2] for c in updates[:2]], failed
+    return None, None, failed
+
+
+def test_each_tp_rank_hands_its_own_copy():
+    (per_rank, flushes, failed0), (_, _, failed1) = run_dist(_tp_group_update, 2)
+    assert per_rank == [[(f"w{i}", torch.bfloat16, [float(r)] * 4) for i in range(2)] for r in range(2)]
+    assert flushes == [False, True]  # 3 tensors of 16 bytes, 32-byte buckets: 2 buckets
+    assert "bad bucket" in failed0 and "bad bucket" in failed1  # every rank raises
 
 
 @pytest.mark.skipif(not HAS_SGLANG, reason="sglang is not installed (optional GPU extra)")
@@ -156,7 +251,9 @@ def test_sglang_api_contract():
     engine = sglang.Engine
     expected = {
         "async_generate": {"input_ids", "sampling_params", "return_logprob"},
-        "update_weights_from_tensor": {"named_tensors", "flush_cache"},
+        "update_weights_from_tensor": {"named_tensors", "load_format", "flush_cache"},
+        "begin_weight_update": set(),
+        "end_weight_update": set(),
         "release_memory_occupation": {"tags"},
         "resume_memory_occupation": {"tags"},
         "flush_cache": set(),
@@ -167,6 +264,6 @@ def test_sglang_api_contract():
         assert params <= set(inspect.signature(getattr(engine, method)).parameters), method
     assert inspect.iscoroutinefunction(engine.async_generate)
     assert {"model_path", "tp_size", "mem_fraction_static", "enable_memory_saver", "base_gpu_id",
-            "port"} <= param_names(ServerArgs)
+            "port", "dtype"} <= param_names(ServerArgs)
     assert {"temperature", "top_p", "top_k", "max_new_tokens", "stop", "stop_token_ids",
             "skip_special_tokens"} <= param_names(SGLangSamplingParams)

@@ -1,4 +1,9 @@
-"""Autograd-aware helpers for per-sequence quantities under sequence parallelism.
+"""Collective helpers: tensors on the device a group's backend serves, and autograd-aware
+per-sequence sums under sequence parallelism.
+
+Device rule: NCCL serves only CUDA tensors ("No backend type associated with device type cpu"),
+gloo only CPU ones. Every tensor RL2 hands to a collective goes through `group_device` (metrics,
+grad norms, flags) or comes from the model's forward on the compute device.
 
 With sp > 1 every sequence is split (zig-zag) over the sp group, so a per-sequence quantity (the
 summed log-prob of a DPO response, the value at the last token of a reward-model input) is a SUM
@@ -9,6 +14,30 @@ gradient, so every rank's partial receives the full gradient of a loss that ever
 import torch
 import torch.distributed as dist
 from torch import Tensor
+
+
+def group_device(group=None) -> torch.device:
+    """The device whose tensors `group`'s backend reduces: CUDA for NCCL, else the CPU."""
+    if "nccl" in str(dist.get_backend(group)).lower():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def check_device(tensor: Tensor, group=None) -> Tensor:
+    """`tensor`, after checking that `group`'s backend serves its device (a clear error instead
+    of NCCL's)."""
+    want = group_device(group)
+    if tensor.device.type != want.type:
+        raise RuntimeError(f"collective on a {tensor.device.type} tensor, but the group's backend "
+                           f"({dist.get_backend(group)}) serves {want.type} tensors")
+    return tensor
+
+
+def all_reduce_floats(values: list[float], op=dist.ReduceOp.SUM, group=None) -> list[float]:
+    """All-reduce Python floats (float64) on the device the group's backend serves."""
+    t = torch.tensor(values, dtype=torch.float64, device=group_device(group))
+    dist.all_reduce(check_device(t, group), op=op, group=group)
+    return t.tolist()
 
 
 def segment_sum(x: Tensor, cu_seqlens: Tensor, dtype: torch.dtype | None = None) -> Tensor:

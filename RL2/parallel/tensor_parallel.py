@@ -13,6 +13,8 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module)
 
+from RL2.parallel.collectives import check_device, group_device
+
 logger = logging.getLogger(__name__)
 
 # Per-decoder-layer plan, keyed by module path inside `model.layers[i]`. Column-parallel
@@ -152,7 +154,9 @@ def grad_norm_and_clip(params, max_norm: float | None) -> float:
     total = 0.0
     for groups, sq in buckets.items():
         for group in groups:
-            dist.all_reduce(sq, group=group)
+            # grads may live on the CPU (offload_params) while NCCL serves CUDA only
+            sq = sq.to(group_device(group))
+            dist.all_reduce(check_device(sq, group), group=group)
         total += sq.item()
     norm = math.sqrt(total)
     if max_norm is not None and max_norm > 0 and math.isfinite(norm):

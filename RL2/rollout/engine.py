@@ -98,16 +98,28 @@ class Engine(ABC):
         """Abort pending requests and free everything."""
 
 
-def _sglang_usable() -> bool:
-    return importlib.util.find_spec("sglang") is not None and torch.cuda.is_available()
+KINDS = ("auto", "torch", "sglang", "vllm")
+
+
+def resolve_engine_kind(kind: str, device: str = "cuda") -> str:
+    """The concrete backend for `kind`: "auto" is sglang when it is importable, CUDA is available
+    and the trainer runs on CUDA, else torch. Decided once, before any backend argument is built."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown engine kind {kind!r}; expected 'auto', 'torch', 'sglang' or 'vllm'")
+    if kind != "auto":
+        return kind
+    usable = (device == "cuda" and torch.cuda.is_available()
+              and importlib.util.find_spec("sglang") is not None)
+    return "sglang" if usable else "torch"
 
 
 def make_engine(kind: str, model_path, tokenizer, **kw) -> Engine:
-    """Build an engine. kind: "auto" (sglang when importable and CUDA is available, else torch),
-    "torch", "sglang" or "vllm" (with `server_url`: a `vllm serve` process). `model_path` is an
-    HF directory (the torch engine also takes an nn.Module); `kw` goes to the backend."""
+    """Build an engine. kind: "auto" (see `resolve_engine_kind`), "torch", "sglang" or "vllm"
+    (with `server_url`: a `vllm serve` process). `model_path` is an HF directory (the torch engine
+    also takes an nn.Module); `kw` goes to the backend, so with "auto" pass only arguments both
+    backends take."""
     if kind == "auto":
-        kind = "sglang" if _sglang_usable() else "torch"
+        kind = resolve_engine_kind(kind)
         logger.info("make_engine(auto): using the %s engine", kind)
     if kind == "torch":
         from RL2.rollout.torch_engine import TorchEngine

@@ -7,17 +7,31 @@ import json
 import logging
 import os
 from collections import defaultdict
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from RL2.algorithms.metrics import pass_at_k
-from RL2.rollout.engine import SamplingParams, make_engine
+from RL2.rollout.engine import SamplingParams, make_engine, resolve_engine_kind
 from RL2.utils.seeding import derive_seed
 from RL2.rollout.trajectory import run_trajectory
 from RL2.rollout.weight_sync import WeightSync
 
 logger = logging.getLogger(__name__)
+
+ROLLOUT_TIMEOUT = timedelta(hours=6)  # a long multi-turn rollout is not a hang
+
+
+def engine_kwargs(kind: str, cfg, rank: int, seed: int = 0) -> dict:
+    """Constructor arguments of the backend `kind` (already resolved from "auto")."""
+    if kind == "sglang":
+        return dict(tp_size=cfg.tp_size, base_gpu_id=rank % max(1, torch.cuda.device_count()),
+                    bucket_bytes=int(cfg.bucket_mb * 2**20), **dict(cfg.sglang))
+    if kind == "vllm":
+        return dict(max_model_len=cfg.max_model_len or cfg.max_length, bucket_mb=cfg.bucket_mb,
+                    seed=seed, **dict(cfg.vllm))
+    return dict(max_model_len=cfg.max_model_len) if cfg.max_model_len else {}
 
 
 def sampling_params(cfg, seed=None) -> SamplingParams:
@@ -42,31 +56,45 @@ class Rollout:
         self.group = rank // cfg.tp_size
         self.is_leader = rank % cfg.tp_size == 0
         self.loop = asyncio.new_event_loop()  # one loop for the whole run (SGLang binds to it)
+        # Ranks without an engine wait here for the leaders' rollouts, which can take longer than
+        # NCCL's watchdog allows, and must not spin NCCL kernels beside SGLang: wait on gloo.
+        self.cpu_group = dist.new_group(backend="gloo", timeout=ROLLOUT_TIMEOUT)
+        self.kind = resolve_engine_kind(cfg.engine, device)
         self.engine = None
+        self.peer = None  # SGLang: this rank's part in the weight updates of its group's engine
         self._weight_sync = None  # built on the first sync (a collective over the model's ranks)
+        kw = engine_kwargs(self.kind, cfg, rank, seed)
+        if self.kind == "sglang":
+            kw.update(self._sglang_group(model_path, kw))
         if self.is_leader:
-            kw = {}
-            if cfg.engine in ("sglang", "auto") and device == "cuda":
-                kw = dict(tp_size=cfg.tp_size, base_gpu_id=rank % max(1, torch.cuda.device_count()),
-                          bucket_bytes=int(cfg.bucket_mb * 2**20),
-                          **dict(cfg.sglang))
-            elif cfg.engine == "vllm":
-                kw = dict(max_model_len=cfg.max_model_len or cfg.max_length,
-                          bucket_mb=cfg.bucket_mb, seed=seed, **dict(cfg.vllm))
-            elif cfg.max_model_len:
-                kw = dict(max_model_len=cfg.max_model_len)
-            self.engine = make_engine(cfg.engine, model_path, tokenizer, **kw)
+            self.engine = make_engine(self.kind, model_path, tokenizer, **kw)
             if getattr(self.engine, "loop", None) is not None:
                 # SGLang/vLLM run on the loop they were created with: trajectories use that one.
                 self.loop.close()
                 self.loop = self.engine.loop
             env.start()  # env worker processes for sync hooks (only leaders run trajectories)
-        # For an SGLang group the rest of the group only takes part in the weight gathers.
+        # For an SGLang group the rest of the group only takes part in the weight updates.
+
+    def _sglang_group(self, model_path: str, kw: dict) -> dict:
+        """One gloo group per rollout tp group (created on every rank: new_group is collective);
+        the non-leaders get an `SGLangPeer`."""
+        from RL2.rollout.sglang_engine import SGLangPeer, engine_dtype
+
+        tp, mine = self.cfg.tp_size, None
+        for g in range(self.n_groups):
+            ranks = list(range(g * tp, (g + 1) * tp))
+            group = dist.new_group(ranks, backend="gloo", timeout=ROLLOUT_TIMEOUT) if tp > 1 else None
+            if g == self.group:
+                mine = group
+        if not self.is_leader:
+            dtype = engine_dtype(model_path, kw.get("dtype", "auto"))
+            self.peer = SGLangPeer(mine, kw["bucket_bytes"], dtype)
+        return {"group": mine}
 
     def sync(self, model) -> dict:
         if self._weight_sync is None or self._weight_sync.model is not model:
             self._weight_sync = WeightSync(model, self.cfg.weight_sync, self.cfg.bucket_mb)
-        return self._weight_sync(self.engine)
+        return self._weight_sync(self.engine or self.peer)
 
     def release(self):
         if self.engine is not None:
@@ -94,7 +122,7 @@ class Rollout:
 
             local = list(zip(mine, self.loop.run_until_complete(run_all())))
         gathered = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, local)
+        dist.all_gather_object(gathered, local, group=self.cpu_group)
         by_job = {}
         for part in gathered:
             for job, traj in part or []:

@@ -1,28 +1,38 @@
-"""SGLang rollout engine (GPU only, optional extra): a thin adapter from `sglang.Engine` to the
-RL2 `Engine` interface.
+"""SGLang rollout engine (GPU only, optional extra): a thin adapter from `sglang.Engine` (0.5.23)
+to the RL2 `Engine` interface.
 
 - generate: `async_generate(input_ids=..., sampling_params=..., return_logprob=True)`, one call per
   sample (n calls share the prompt through SGLang's radix cache; each gets its own derived seed).
   Token ids and log-probs come from `meta_info["output_token_logprobs"]`, entries
   (logprob, token_id, text). SGLang's log-probs are log_softmax(logits / T) before top-p/top-k
-  (greedy: T = 1), like the torch engine. Seeds go in as `sampling_seed` when this SGLang has it
-  (SGLang applies it under its deterministic-inference mode).
-- update_weights: full tensors in dtype-homogeneous buckets of bounded size
-  (`make_buckets`), `update_weights_from_tensor` per bucket, flush_cache only on the last one.
-- release/resume_memory: `release_memory_occupation` / `resume_memory_occupation` with tags
-  ("weights", "kv_cache"; needs enable_memory_saver=True). Weight sync order: resume ["weights"]
-  -> update_weights -> resume ["kv_cache"].
+  (greedy: T = 1), like the torch engine. Seeds go in as `sampling_seed` when this SGLang has it.
+- memory: SGLang keeps the released tags in a set and `resume_memory_occupation` does
+  `offload_tags.remove(tag)` (a KeyError kills the scheduler for a tag that is not released);
+  torch_memory_saver refuses to pause a paused region. So the adapter always names its tags
+  explicitly, tracks which are released, and only releases/resumes what it must. The engine is
+  released right after start-up (the trainer owns the GPU until the first sync).
+- update_weights: inside `begin_weight_update()` / `end_weight_update()` (0.5.23 rejects an
+  update outside that session), in dtype-homogeneous buckets cast to the engine's dtype; flush
+  the radix cache on the last bucket only. Every call's `(success, message)` is checked: a failed
+  update raises instead of leaving the engine sampling from stale or released weight memory.
+  Each rank of the rollout tp group hands its own GPU copy of a bucket (`load_format=
+  "flattened_bucket"`, one serialised payload per SGLang TP rank, gathered on a gloo group).
+- start-up runs with torchrun's TORCHELASTIC_* variables removed: with
+  TORCHELASTIC_USE_AGENT_STORE=True, the c10d stores SGLang's subprocesses create all become
+  clients of a store nobody serves (torch/distributed/rendezvous.py), and start-up hangs.
 - SGLang binds its asyncio loop at construction (`self.loop`): run rollouts on that loop, and call
-  the synchronous methods (update/release/resume/shutdown) outside it — they run
-  `loop.run_until_complete` internally.
+  the synchronous methods (update/release/resume/shutdown) outside it.
 """
 import asyncio
+import contextlib
 import inspect
 import logging
+import os
 import socket
 from typing import Iterable, Iterator
 
 import torch
+import torch.distributed as dist
 
 from RL2.rollout.engine import Engine, GenerationOutput, SamplingParams
 from RL2.utils.seeding import derive_seed
@@ -30,6 +40,10 @@ from RL2.utils.seeding import derive_seed
 logger = logging.getLogger(__name__)
 
 DEFAULT_BUCKET_BYTES = 512 << 20
+# sglang/srt/constants.py GPU_MEMORY_TYPE_*. Resume order for a sync: weights, (update), then
+# cuda_graph and kv_cache; release all three while training.
+WEIGHTS, CUDA_GRAPH, KV_CACHE = "weights", "cuda_graph", "kv_cache"
+ALL_TAGS = (WEIGHTS, CUDA_GRAPH, KV_CACHE)
 
 
 def make_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]],
@@ -37,7 +51,7 @@ def make_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]],
     """Group (name, tensor) pairs into buckets of one dtype holding <= bucket_bytes (a tensor
     larger than bucket_bytes gets a bucket of its own). Streams: a bucket is yielded as soon as the
     next tensor of its dtype would overflow it; the rest are yielded at the end. Within a dtype
-    the input order is kept."""
+    the input order is kept. Deterministic: every rank of a group gets the same buckets."""
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
     open_buckets: dict[torch.dtype, tuple[list, int]] = {}
@@ -80,21 +94,126 @@ def _finish_reason(meta: dict) -> str:
     return kind if kind in ("stop", "length") else "abort"
 
 
+@contextlib.contextmanager
+def torchrun_env_scrubbed():
+    """Run the body without torchrun's TORCHELASTIC_* variables (restored afterwards)."""
+    saved = {k: os.environ.pop(k) for k in list(os.environ) if k.startswith("TORCHELASTIC_")}
+    try:
+        yield
+    finally:
+        os.environ.update(saved)
+
+
+def engine_dtype(model_path: str, dtype: str = "auto") -> torch.dtype:
+    """The dtype SGLang 0.5.23 serves `model_path` in (sglang/srt/configs/model_config.py
+    `_get_and_verify_dtype`): the config's dtype, fp32 checkpoints as fp16 (Gemma: bf16)."""
+    if dtype != "auto":
+        return getattr(torch, {"half": "float16", "float": "float32"}.get(dtype, dtype))
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_path)
+    found = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
+    found = getattr(torch, found) if isinstance(found, str) else found
+    if found == torch.float32:
+        return torch.bfloat16 if config.model_type.startswith("gemma") else torch.float16
+    return found
+
+
+def check_result(result, what: str) -> None:
+    """SGLang's weight calls return (success, message); raise on failure."""
+    success, message = result
+    if not success:
+        raise RuntimeError(f"SGLang {what} failed: {message}")
+
+
+def serialize_bucket(bucket: list[tuple[str, torch.Tensor]], dtype: torch.dtype) -> bytes:
+    """This rank's payload for `load_format="flattened_bucket"`: the bucket cast to the engine
+    dtype, on this rank's GPU (SGLang TP rank i opens the CUDA-IPC handle of payload i)."""
+    from sglang.srt.utils.common import MultiprocessingSerializer
+    from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
+
+    monkey_patch_torch_reductions()  # CUDA IPC keyed by device uuid (SGLang's own receiver does this)
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+    named = [(n, t.to(device=device or t.device, dtype=dtype if t.is_floating_point() else t.dtype))
+             for n, t in bucket]
+    flat = FlattenedTensorBucket(named_tensors=named)
+    return MultiprocessingSerializer.serialize(
+        {"flattened_tensor": flat.get_flattened_tensor(), "metadata": flat.get_metadata()})
+
+
+def push_buckets(named_tensors, bucket_bytes: int, dtype: torch.dtype, group=None,
+                 engine=None) -> None:
+    """Every rank of a rollout tp group serialises its own copy of each bucket; the leader (group
+    rank 0, holding `engine`) gathers them on the gloo `group` (None: the leader alone) and loads
+    them. The leader's status is broadcast after each bucket, so every rank keeps its GPU copy
+    until it was read, and every rank raises if an update failed."""
+    buckets = make_buckets(named_tensors, bucket_bytes)
+    bucket = next(buckets, None)
+    error = _call(engine.begin_weight_update, "begin_weight_update") if engine is not None else None
+    while bucket is not None:
+        following = next(buckets, None)
+        payloads = _gather(serialize_bucket(bucket, dtype), group)
+        if engine is not None and error is None:
+            error = _call(lambda: engine.update_weights_from_tensor(
+                named_tensors=payloads, load_format="flattened_bucket",
+                flush_cache=following is None), "update_weights_from_tensor")
+        error = _from_leader(error, group)
+        bucket = following
+    if engine is not None:  # always close the session, also after a failed update
+        end_error = _call(engine.end_weight_update, "end_weight_update")
+        error = error or end_error
+    error = _from_leader(error, group)
+    if error:
+        raise RuntimeError(error)
+
+
+def _gather(payload, group) -> list | None:
+    """Every group member's payload, in group-rank order, on the leader (None elsewhere)."""
+    if group is None:
+        return [payload]
+    leader = dist.get_global_rank(group, 0)
+    out = [None] * dist.get_world_size(group) if dist.get_rank() == leader else None
+    dist.gather_object(payload, out, dst=leader, group=group)
+    return out
+
+
+def _from_leader(value, group):
+    if group is None:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
+    return box[0]
+
+
+def _call(fn, what: str) -> str | None:
+    try:
+        check_result(fn(), what)
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
 class SGLangEngine(Engine):
     def __init__(self, model_path: str, tokenizer=None, *, tp_size: int = 1,
                  mem_fraction_static: float = 0.5, base_gpu_id: int = 0, port: int | None = None,
                  enable_memory_saver: bool = True, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 **server_args):
+                 group=None, **server_args):
         """Extra keyword arguments are passed to `sglang.Engine` (SGLang ServerArgs names).
-        `tokenizer` is unused (SGLang loads its own from model_path for stop strings)."""
+        `group`: gloo process group of this rollout tp group (this rank is its first member; the
+        others hold an `SGLangPeer`), None when the group is this rank alone. `tokenizer` is unused (SGLang loads its own for stop strings)."""
         import sglang
 
-        self.bucket_bytes = bucket_bytes
-        self.engine = sglang.Engine(
-            model_path=model_path, tp_size=tp_size, mem_fraction_static=mem_fraction_static,
-            base_gpu_id=base_gpu_id, port=port or _free_port(),
-            enable_memory_saver=enable_memory_saver, **server_args)
+        self.bucket_bytes, self.group = bucket_bytes, group
+        self.dtype = engine_dtype(model_path, server_args.get("dtype", "auto"))
+        with torchrun_env_scrubbed():
+            self.engine = sglang.Engine(
+                model_path=model_path, tp_size=tp_size, mem_fraction_static=mem_fraction_static,
+                base_gpu_id=base_gpu_id, port=port or _free_port(),
+                enable_memory_saver=enable_memory_saver, **server_args)
         self.loop = self.engine.loop
+        self.released: set[str] = set()
+        self.release_memory()  # the trainer owns the GPU until the first weight sync
         self.accepts_seed = _accepts_seed()
         if not self.accepts_seed:
             logger.warning("this SGLang has no sampling_seed: seeded requests are not reproducible")
@@ -123,25 +242,57 @@ class SGLangEngine(Engine):
         params.validate()
         if not prompt_ids:
             raise ValueError("empty prompt: generation needs at least one prompt token")
+        if self.released:
+            raise RuntimeError(f"SGLang memory {sorted(self.released)} is released: sync the "
+                               "weights (which resumes it) before generating")
         seeds = [None if params.seed is None else derive_seed(params.seed, i) for i in range(params.n)]
         return list(await asyncio.gather(*[
             self._generate_one(prompt_ids, self._sampling_params(params, seed)) for seed in seeds]))
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        # Hold one bucket back so that only the last one flushes the radix cache.
-        pending = None
-        for bucket in make_buckets(named_tensors, self.bucket_bytes):
-            if pending is not None:
-                self.engine.update_weights_from_tensor(named_tensors=pending, flush_cache=False)
-            pending = bucket
-        if pending is not None:
-            self.engine.update_weights_from_tensor(named_tensors=pending, flush_cache=True)
+        if WEIGHTS in self.released:
+            raise RuntimeError("SGLang weights are released: resume ['weights'] before updating")
+        push_buckets(named_tensors, self.bucket_bytes, self.dtype, self.group, self.engine)
 
     def release_memory(self, tags: list[str] | None = None) -> None:
-        self.engine.release_memory_occupation(tags=tags)
+        todo = [t for t in _tags(tags) if t not in self.released]
+        if todo:
+            self.engine.release_memory_occupation(tags=todo)
+            self.released.update(todo)
 
     def resume_memory(self, tags: list[str] | None = None) -> None:
-        self.engine.resume_memory_occupation(tags=tags)
+        todo = [t for t in _tags(tags) if t in self.released]
+        if todo:
+            self.engine.resume_memory_occupation(tags=todo)
+            self.released.difference_update(todo)
 
     def shutdown(self) -> None:
         self.engine.shutdown()
+
+
+def _tags(tags) -> list[str]:
+    tags = list(ALL_TAGS) if tags is None else list(tags)
+    unknown = set(tags) - set(ALL_TAGS)
+    if unknown:
+        raise ValueError(f"unknown SGLang memory tags {sorted(unknown)}; known: {ALL_TAGS}")
+    return tags
+
+
+class SGLangPeer:
+    """The rest of an SGLang rollout tp group (ranks without the engine): they take part in every
+    weight update by handing their own GPU copy of each bucket to the leader."""
+
+    def __init__(self, group, bucket_bytes: int, dtype: torch.dtype):
+        self.group, self.bucket_bytes, self.dtype = group, bucket_bytes, dtype
+
+    def update_weights(self, named_tensors) -> None:
+        push_buckets(named_tensors, self.bucket_bytes, self.dtype, self.group)
+
+    def release_memory(self, tags=None) -> None:
+        pass
+
+    def resume_memory(self, tags=None) -> None:
+        pass
+
+    def can_share_weights(self, named_tensors=None) -> bool:
+        return False

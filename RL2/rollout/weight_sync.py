@@ -371,9 +371,9 @@ class WeightSync:
                   for r in self._plan(self.model_bytes)]
         can = self.share and (engine is None or engine.can_share_weights(layout))
         fits = self.model_bytes <= self._shm_free // 2  # leave room for everything else
-        flag = torch.tensor([1.0 if can and fits else 0.0])
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-        return bool(flag.item())
+        from RL2.parallel.collectives import all_reduce_floats
+
+        return bool(all_reduce_floats([1.0 if can and fits else 0.0], op=dist.ReduceOp.MIN)[0])
 
     def _sync_shared(self, engine) -> None:
         self._file.collective()  # every engine is idle: nobody reads while the weights change
@@ -416,6 +416,7 @@ class WeightSync:
         if self.transport == "shm" and self.mode is None and self._choose_mode(engine):
             self._setup_shm(shared=True)
         if engine is not None:
+            free_device_cache()  # the engine re-maps exactly what it sized at start-up
             engine.resume_memory(["weights"])
         if self.transport == "local" and engine is not None and engine is not self._local_engine:
             # decided once per engine: alias its weights to the trainer's, or copy (mode None)
@@ -441,5 +442,14 @@ class WeightSync:
             else:
                 engine.update_weights(counted())
         if engine is not None:
-            engine.resume_memory(["kv_cache"])
+            engine.resume_memory()  # the rest (SGLang: cuda_graph, kv_cache)
         return {"sync_seconds": time.perf_counter() - start, "sync_bytes": n_bytes}
+
+
+def free_device_cache() -> None:
+    """Hand the trainer's cached CUDA blocks back to the driver before an engine resumes its
+    memory: SGLang re-maps the KV pool it sized at start-up, before the optimizer state existed,
+    and the caching allocator would otherwise still hold the trainer's freed blocks (OOM)."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+

@@ -143,9 +143,9 @@ class Worker:
     # ----- update -----
     def all_reduce_metric(self, value: float) -> float:
         """Sum of a per-rank partial metric over data ranks; tp ranks hold copies, so divide."""
-        t = torch.tensor([value], dtype=torch.float64)
-        dist.all_reduce(t)
-        return t.item() / self.dims.tp
+        from RL2.parallel.collectives import all_reduce_floats
+
+        return all_reduce_floats([value])[0] / self.dims.tp
 
     def step(self) -> float:
         """Clip by the global grad norm, take an optimizer step; returns the pre-clip norm."""
@@ -154,24 +154,27 @@ class Worker:
         params = [p for p in self.model.parameters() if p.grad is not None]
         grad_norm = grad_norm_and_clip(params, self.cfg.max_grad_norm)
         if math.isfinite(grad_norm):
-            self._move_optimizer_state(self.device)
+            self._move_optimizer_state(to_params=True)
             self.optimizer.step()
-            self._move_optimizer_state("cpu")
+            self._move_optimizer_state(to_params=False)
         else:
             logger.warning(f"grad norm is {grad_norm}; skipping the optimizer step")
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         return grad_norm
 
-    def _move_optimizer_state(self, device: str):
-        """`offload_optimizer`: AdamW moments live on CPU between steps (CUDA only; on CPU the
-        state is already there)."""
-        if not (self.cfg.offload_optimizer and self.device == "cuda"):
+    def _move_optimizer_state(self, to_params: bool):
+        """`offload_optimizer`: AdamW moments live on the CPU between steps and, for the step, on
+        the device of their parameter's shard (the CPU too with `offload_params`: the foreach
+        AdamW kernels need the state beside the parameter)."""
+        if not self.cfg.offload_optimizer:
             return
-        for state in self.optimizer.state.values():
+        for param, state in self.optimizer.state.items():
+            local = param.to_local() if hasattr(param, "to_local") else param
+            device = local.device if to_params else torch.device("cpu")
             for k, v in state.items():
                 if torch.is_tensor(v) and k != "step":
-                    state[k] = v.to(device, non_blocking=True)
+                    state[k] = v.to(device)
 
     @property
     def lr(self) -> float:

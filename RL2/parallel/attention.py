@@ -12,8 +12,7 @@ zig-zag ring attention). Without a context (generate, padded batches) it behaves
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
-from functools import cached_property, lru_cache
+from functools import lru_cache
 from typing import Any
 
 import torch
@@ -27,23 +26,30 @@ NAME = "rl2_packed"
 CTX_KWARG = "rl2_ctx"
 
 
-@dataclass
 class PackedContext:
     """Where the sequences of one packed row start and end (this rank's tokens).
 
     cu_seqlens: int32 (n_seqs + 1,) local boundaries; with sp they are the zig-zag shard
     boundaries, identical on every rank of the group. max_seqlen: longest local sequence.
     sp_group: process group of the sequence-parallel ranks, or None.
+
+    A plain class on purpose: FSDP2's input cast (`torch.distributed.utils._apply_to_tensors`)
+    rebuilds every dataclass it finds in the forward kwargs at every FSDP unit, which would drop
+    the cached `bounds` and cost one device-to-host sync per layer.
     """
 
-    cu_seqlens: torch.Tensor
-    max_seqlen: int
-    sp_group: Any = None
+    __slots__ = ("cu_seqlens", "max_seqlen", "sp_group", "_bounds")
 
-    @cached_property
+    def __init__(self, cu_seqlens: torch.Tensor, max_seqlen: int, sp_group: Any = None):
+        self.cu_seqlens, self.max_seqlen, self.sp_group = cu_seqlens, max_seqlen, sp_group
+        self._bounds = None
+
+    @property
     def bounds(self) -> list[int]:
-        """cu_seqlens as Python ints (one device sync per batch, not per layer)."""
-        return [int(b) for b in self.cu_seqlens.tolist()]
+        """cu_seqlens as Python ints (one device sync per micro-batch, not per layer)."""
+        if self._bounds is None:
+            self._bounds = [int(b) for b in self.cu_seqlens.tolist()]
+        return self._bounds
 
 
 def packed_kwargs(ctx: PackedContext) -> dict:

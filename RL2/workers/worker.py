@@ -9,35 +9,13 @@ from omegaconf import DictConfig
 
 from RL2.algorithms.losses import upcast
 from RL2.data.packing import MicroBatch, pack, plan_micro_batches, token_capacity, unpack
-from RL2.parallel.attention import PackedContext, packed_kwargs, register
+from RL2.parallel.attention import PackedContext, packed_kwargs
 from RL2.parallel.fsdp import parallelize
 from RL2.parallel.mesh import ParallelDims
 from RL2.utils.config import resolve_dtype
+from RL2.workers.loading import disable_dropout, load_hf_model, load_sharded  # noqa: F401 (re-exported)
 
 logger = logging.getLogger(__name__)
-
-
-def load_hf_model(path: str, value_head: bool, dtype: torch.dtype, trust_remote_code=False):
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
-
-    kw = dict(attn_implementation=register(), dtype=dtype, trust_remote_code=trust_remote_code)
-    if value_head:
-        # A causal-LM checkpoint gets a fresh 1-wide head; the same seed on every rank keeps it
-        # identical across replicas.
-        config = AutoConfig.from_pretrained(path, num_labels=1, trust_remote_code=trust_remote_code)
-        return disable_dropout(AutoModelForTokenClassification.from_pretrained(path, config=config, **kw))
-    return AutoModelForCausalLM.from_pretrained(path, **kw)
-
-
-def disable_dropout(model: torch.nn.Module) -> torch.nn.Module:
-    """HF token-classification heads apply dropout 0.1 by default; a value model is trained
-    without it (values would be noisy and depend on the micro-batching). Recorded in the config
-    too (not every config declares the key), so the saved checkpoint evaluates the same way."""
-    for m in model.modules():
-        if isinstance(m, torch.nn.Dropout):
-            m.p = 0.0
-    model.config.classifier_dropout = 0.0
-    return model
 
 
 def make_scheduler(optimizer, cfg: DictConfig, total_steps: int):
@@ -67,16 +45,21 @@ class Worker:
         self.compute_dtype = resolve_dtype(cfg.dtype, device)
         # Master weights stay fp32 (fp64 when asked for, e.g. exactness tests).
         master = torch.float64 if self.compute_dtype == torch.float64 else torch.float32
-        torch.manual_seed(seed)
-        self.model = load_hf_model(cfg.model_name, value_head, master, cfg.trust_remote_code)
+        torch.manual_seed(seed)  # a fresh value head is drawn on rank 0 and broadcast
+
+        def shard(model):
+            if train and cfg.gradient_checkpointing:
+                model.config.use_cache = False
+            parallelize(model, self.dims, param_dtype=self.compute_dtype,
+                        gradient_checkpointing=train and cfg.gradient_checkpointing,
+                        offload_params=cfg.offload_params)
+
+        # offload_params: FSDP2 keeps the shards on the host and moves them in for compute
+        where = torch.device("cuda", torch.cuda.current_device()) if (
+            device == "cuda" and not cfg.offload_params) else torch.device("cpu")
+        self.model = load_sharded(cfg.model_name, value_head, master, cfg.trust_remote_code,
+                                  shard, where)
         self.config = self.model.config
-        if train and cfg.gradient_checkpointing:
-            self.model.config.use_cache = False
-        parallelize(self.model, self.dims, param_dtype=self.compute_dtype,
-                    gradient_checkpointing=train and cfg.gradient_checkpointing,
-                    offload_params=cfg.offload_params)
-        if device == "cuda" and not cfg.offload_params:
-            self.model.to("cuda")
         self.capacity = token_capacity(cfg)
         self.optimizer = self.scheduler = None
         if train:

@@ -1,0 +1,247 @@
+"""GPU-path defects, each checked on CPU where it can be shown without a GPU (issue 12).
+
+- collectives hand their backend tensors on the device it serves (NCCL: CUDA only). On CPU the
+  "NCCL" case is simulated: the group device is patched to `meta` and the collective is replaced
+  by a check that the tensor is on it, so a tensor left on the CPU fails the test.
+- offload_optimizer: the AdamW state follows its parameter's device for the step.
+- PackedContext survives FSDP2's input cast (one cu_seqlens host sync per micro-batch).
+- the model is read from disk once (rank 0) and other ranks start on `meta`: values equal the
+  checkpoint, and rank 1's peak host memory stays well below one full model.
+- engine=auto on a (faked) CUDA machine without sglang builds the torch engine with torch
+  arguments; rollout gathers wait on a gloo group.
+CUDA-only behaviour (NCCL itself, CUDA caching allocator, SGLang memory) is not run here:
+scripts/gpu_smoke.sh is the first thing to run on a GPU.
+"""
+import resource
+
+import pytest
+import torch
+import torch.distributed as dist
+from omegaconf import OmegaConf
+
+from tests.dist_utils import run_dist
+
+
+class Reached(Exception):
+    """Raised by the fake collective once it checked the device."""
+
+
+def _fake_collective(name, seen):
+    from RL2.parallel import collectives
+
+    def fake(tensor, *args, group=None, **kw):
+        want = collectives.group_device(group)
+        seen.append((name, tensor.device.type))
+        if tensor.device.type != want.type:
+            raise AssertionError(f"{name} on {tensor.device.type}, group serves {want.type}")
+        raise Reached(name)
+    return fake
+
+
+def _device_audit(rank, world):
+    """One "NCCL-like" group: every collective RL2 issues on a host-made tensor must move it to
+    the group's device first (old code all-reduced CPU tensors: metrics, grad norm with
+    offloaded grads, the weight-sync mode flag)."""
+    from types import SimpleNamespace
+    from unittest import mock
+
+    from RL2.parallel import collectives, tensor_parallel
+    from RL2.rollout.weight_sync import WeightSync
+    from RL2.workers.worker import Worker
+
+    seen, results = [], {}
+    meta = torch.device("meta")
+    worker = Worker.__new__(Worker)
+    worker.dims = SimpleNamespace(tp=1)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    param = torch.nn.Parameter(distribute_tensor(torch.ones(4, 2), mesh, [Shard(0)]))
+    param.grad = distribute_tensor(torch.ones(4, 2), mesh, [Shard(0)])  # CPU grads (offload)
+    sync = WeightSync.__new__(WeightSync)
+    sync.share, sync.model_bytes, sync._shm_free = False, 0, 0
+    sync._plan = lambda size: []
+    cases = {
+        "all_reduce_metric": lambda: worker.all_reduce_metric(1.0),
+        "grad_norm": lambda: tensor_parallel.grad_norm_and_clip([param], 1.0),
+        "weight_sync_mode": lambda: sync._choose_mode(None),
+    }
+    with mock.patch.object(collectives, "group_device", lambda group=None: meta), \
+            mock.patch.object(tensor_parallel, "group_device", lambda group=None: meta), \
+            mock.patch.object(dist, "all_reduce", _fake_collective("all_reduce", seen)):
+        for name, fn in cases.items():
+            try:
+                fn()
+                results[name] = "no collective"
+            except Reached:
+                results[name] = "ok"
+            except (AssertionError, RuntimeError, NotImplementedError) as e:
+                results[name] = f"{type(e).__name__}: {e}"
+    return results
+
+
+def test_collectives_use_the_group_device():
+    results = run_dist(_device_audit, 2)[0]
+    assert results == {"all_reduce_metric": "ok", "grad_norm": "ok", "weight_sync_mode": "ok"}
+
+
+def test_check_device_names_the_mismatch(monkeypatch):
+    from RL2.parallel import collectives
+
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    with pytest.raises(RuntimeError, match="collective on a cpu tensor.*serves cuda"):
+        collectives.check_device(torch.zeros(1))
+
+
+def test_offload_optimizer_keeps_state_beside_its_parameter():
+    """Old code moved the AdamW moments to "cuda" for the step whatever the parameter's device
+    (with offload_params the shards stay on the host: mixed-device foreach AdamW fails). Here the
+    worker claims CUDA while the parameters are on the CPU, as with offload_params."""
+    from RL2.workers.worker import Worker, make_scheduler
+
+    def run(offload):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(3, 2)
+        w = Worker.__new__(Worker)
+        w.cfg = OmegaConf.create(dict(offload_optimizer=offload, max_grad_norm=1.0, warmup_ratio=0.0,
+                                      min_lr_ratio=0.0, scheduler="constant"))
+        w.device, w.model = "cuda", model
+        w.optimizer = torch.optim.AdamW(model.parameters(), lr=0.1, foreach=True)
+        w.scheduler = make_scheduler(w.optimizer, w.cfg, 4)
+        for step in range(3):
+            model(torch.full((4, 3), float(step + 1))).square().sum().backward()
+            with torch.no_grad():
+                w.step()
+        devices = {v.device.type for s in w.optimizer.state.values() for v in s.values() if v.dim()}
+        return [p.detach().clone() for p in model.parameters()], devices
+
+    # grad_norm_and_clip needs no process group for plain tensors
+    ref, _ = run(False)
+    got, devices = run(True)
+    assert devices == {"cpu"}
+    for a, b in zip(ref, got):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def _packed_ctx_under_fsdp(rank, world, model_path):
+    from transformers import AttentionInterface
+
+    from RL2.parallel import attention
+    from RL2.parallel.fsdp import parallelize
+    from RL2.parallel.mesh import ParallelDims
+    from RL2.workers.loading import load_hf_model
+
+    model = load_hf_model(model_path, False, torch.float64)
+    parallelize(model, ParallelDims(world), param_dtype=torch.float32)  # FSDP casts inputs
+    seen = []
+
+    def spy(module, q, k, v, mask, **kw):
+        seen.append(kw[attention.CTX_KWARG])
+        return attention.packed_attention_forward(module, q, k, v, mask, **kw)
+
+    AttentionInterface.register(attention.NAME, spy)
+    ctx = attention.PackedContext(torch.tensor([0, 5, 12], dtype=torch.int32), 7)
+    ids = torch.arange(12)[None] % 50
+    pos = torch.tensor([list(range(5)) + list(range(7))])
+    model(input_ids=ids, position_ids=pos, use_cache=False, **attention.packed_kwargs(ctx))
+    return len(seen), all(c is ctx for c in seen)
+
+
+def test_packed_context_survives_fsdp_input_cast(assets):
+    """FSDP2 rebuilds dataclasses in forward kwargs at every unit (torch.distributed.utils.
+    _apply_to_tensors): the old dataclass context lost its cached bounds at every layer."""
+    n_layers_seen, same = run_dist(_packed_ctx_under_fsdp, 1, assets["model"])[0]
+    assert n_layers_seen == 2 and same
+
+
+MEMORY_MODEL = dict(hidden=768, layers=4, heads=12, kv_heads=4, intermediate=2048)
+
+
+def _meta_load(rank, world, model_path, tp):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from transformers import AutoModelForCausalLM  # noqa: F401  (imported before measuring)
+
+    from RL2.parallel.fsdp import parallelize
+    from RL2.parallel.mesh import ParallelDims
+    from RL2.workers.loading import load_sharded
+
+    dims = ParallelDims(world, tp=tp)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    model = load_sharded(model_path, False, torch.float32, False,
+                         lambda m: parallelize(m, dims, param_dtype=torch.float32), torch.device("cpu"))
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    ref, ref_buffers = _checkpoint(model_path)  # after measuring
+    buffers = dict(model.named_buffers())
+    mismatched = [n for n, t in ref.items() if not torch.equal(full[n], t)] if rank == 0 else []
+    mismatched += [n for n, b in ref_buffers.items() if not torch.equal(buffers[n], b)]
+    model_bytes = sum(t.numel() * t.element_size() for t in ref.values())
+    return peak, model_bytes, sorted(set(full) ^ set(ref)) if rank == 0 else [], mismatched
+
+
+def _checkpoint(path):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    return model.state_dict(), dict(model.named_buffers())
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_meta_load_reads_the_checkpoint_once(assets, tmp_path, tp):
+    """Values equal the checkpoint (parameters and non-persistent buffers such as rotary
+    inv_freq, on every rank); with tp=1, rank 1 never holds a full model: its peak host memory
+    grows by well under one model (old code: every rank loaded the whole fp32 model)."""
+    from RL2.tools.make_assets import build_tiny_model
+
+    path = assets["model"]
+    if tp == 1:
+        path = str(tmp_path / "model")
+        build_tiny_model(path, assets["tokenizer"], "qwen2", **MEMORY_MODEL)
+    results = run_dist(_meta_load, 2, path, tp)
+    for rank, (peak, model_bytes, missing, mismatched) in enumerate(results):
+        assert missing == [] and mismatched == [], (rank, missing, mismatched)
+    if tp == 1:
+        peak_rank1, model_bytes = results[1][:2]
+        assert model_bytes > 100e6
+        assert peak_rank1 < 0.8 * model_bytes, (peak_rank1 / 1e6, model_bytes / 1e6)
+
+
+def _rollout_choice(rank, world, model_path):
+    """engine=auto with CUDA "available" and no sglang: torch engine, torch arguments only."""
+    import importlib.util
+    from unittest import mock
+
+    from RL2.rollout import rollout as rollout_mod
+
+    built = {}
+
+    class Recorder:
+        loop = None
+
+        def __init__(self, model_path, tokenizer, **kw):
+            built.update(kw)
+
+    cfg = OmegaConf.create(dict(engine="auto", tp_size=1, bucket_mb=1, max_model_len=64,
+                                sglang=dict(mem_fraction_static=0.5), max_turns=1, max_length=64))
+    real_find_spec = importlib.util.find_spec
+    with mock.patch.object(torch.cuda, "is_available", lambda: True), \
+            mock.patch.object(torch.cuda, "device_count", lambda: 1), \
+            mock.patch.object(importlib.util, "find_spec",
+                              lambda name, *a: None if name == "sglang" else real_find_spec(name, *a)), \
+            mock.patch("RL2.rollout.torch_engine.TorchEngine", Recorder):
+        r = rollout_mod.Rollout(cfg, None, None, model_path, "cuda", seed=0)
+    groups = []
+    real = dist.all_gather_object
+    with mock.patch.object(dist, "all_gather_object",
+                           lambda out, obj, group=None: (groups.append(group), real(out, obj, group=group))):
+        r.engine = None
+        r._generate([{"index": 0}], OmegaConf.create(dict(temperature=0.0)), 1, "t")
+    return r.kind, built, dist.get_backend(groups[0]), groups[0] is r.cpu_group, rollout_mod.ROLLOUT_TIMEOUT
+
+
+def test_engine_auto_without_sglang_and_gloo_wait(assets):
+    kind, built, backend, is_cpu_group, timeout = run_dist(_rollout_choice, 1, assets["model"])[0]
+    assert kind == "torch" and built == {"max_model_len": 64}  # no tp_size / bucket_bytes / ...
+    assert backend == "gloo" and is_cpu_group and timeout.total_seconds() >= 3600

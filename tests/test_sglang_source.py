@@ -1,0 +1,180 @@
+"""The SGLang facts RL2's adapter and `tests/fakes.py::FakeSGLang` rely on, checked against the
+real sglang 0.5.23 source: the wheel is downloaded with `pip download --no-deps` (cached in
+$RL2_SGLANG_CACHE, default ~/.cache/rl2/sglang-0.5.23) and its Python files are parsed with `ast`
+(no import, no GPU). An API change in the pinned version fails here, not on a user's first GPU run.
+Skips (saying why) only when the wheel cannot be downloaded (offline)."""
+import ast
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from RL2.rollout import sglang_engine
+
+SGLANG = "sglang==0.5.23"
+MEMORY_SAVER = "torch_memory_saver==0.0.10"  # what sglang 0.5.23 (>=0.0.9.post1) resolves to today
+CACHE = Path(os.environ.get("RL2_SGLANG_CACHE", Path.home() / ".cache" / "rl2" / "sglang-0.5.23"))
+
+
+def _download(spec: str) -> Path:
+    """The unpacked wheel of `spec` (downloaded once into CACHE)."""
+    name = spec.split("==")[0]
+    done = CACHE / f".{name}-unpacked"
+    if not done.exists():
+        CACHE.mkdir(parents=True, exist_ok=True)
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-cache-dir", spec,
+               "-d", str(CACHE / "wheels")]
+        try:
+            subprocess.run(cmd, check=True, capture_output=True, timeout=600)
+        except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as e:
+            pytest.skip(f"cannot download {spec} (offline?): {getattr(e, 'stderr', b'')[-300:]!r}")
+        wheel = next((CACHE / "wheels").glob(f"{name}-*.whl"))
+        with zipfile.ZipFile(wheel) as z:
+            z.extractall(CACHE, [m for m in z.namelist() if m.startswith(f"{name}/")])
+        done.touch()
+    return CACHE / name
+
+
+@pytest.fixture(scope="module")
+def src() -> Path:
+    return _download(SGLANG)
+
+
+def tree(path: Path) -> ast.Module:
+    return ast.parse(path.read_text())
+
+
+def find(module: ast.AST, name: str, kind=(ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+    for node in ast.walk(module):
+        if isinstance(node, kind) and node.name == name:
+            return node
+    raise AssertionError(f"{name} not found")
+
+
+def params(fn) -> set[str]:
+    a = fn.args
+    return {x.arg for x in a.posonlyargs + a.args + a.kwonlyargs}
+
+
+def fields(cls: ast.ClassDef) -> set[str]:
+    return {n.target.id for n in cls.body if isinstance(n, ast.AnnAssign)
+            and isinstance(n.target, ast.Name)}
+
+
+def source_of(path: Path, node) -> str:
+    return ast.get_source_segment(path.read_text(), node)
+
+
+def test_engine_methods_and_parameters(src):
+    init = (src / "__init__.py").read_text()
+    assert 'Engine = LazyImport("sglang.srt.entrypoints.engine", "Engine")' in init
+    engine = find(tree(src / "srt/entrypoints/engine.py"), "Engine", ast.ClassDef)
+    methods = {f.name: f for f in engine.body if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    expected = {  # what RL2/rollout/sglang_engine.py calls
+        "async_generate": {"input_ids", "sampling_params", "return_logprob"},
+        "update_weights_from_tensor": {"named_tensors", "load_format", "flush_cache"},
+        "begin_weight_update": set(),
+        "end_weight_update": set(),
+        "release_memory_occupation": {"tags"},
+        "resume_memory_occupation": {"tags"},
+        "shutdown": set(),
+    }
+    for name, needed in expected.items():
+        assert name in methods, name
+        assert needed <= params(methods[name]), (name, params(methods[name]))
+    assert isinstance(methods["async_generate"], ast.AsyncFunctionDef)
+    assert "self.loop = " in source_of(src / "srt/entrypoints/engine.py", methods["__init__"])
+
+
+def test_server_args_and_sampling_params(src):
+    declared = set()
+    for path in (src / "srt/arg_groups/fields").glob("*.py"):
+        for node in ast.walk(tree(path)):
+            if isinstance(node, ast.ClassDef):
+                declared |= fields(node)
+    assert {"model_path", "tp_size", "mem_fraction_static", "enable_memory_saver", "base_gpu_id",
+            "port", "dtype", "log_level"} <= declared
+    sampling = fields(find(tree(src / "srt/sampling/sampling_params.py"), "SamplingParams", ast.ClassDef))
+    assert {"temperature", "top_p", "top_k", "max_new_tokens", "stop", "stop_token_ids",
+            "skip_special_tokens", "sampling_seed"} <= sampling
+
+
+def test_memory_tags_and_their_state_machine(src):
+    """The rules FakeSGLang enforces: released tags go into a set, resume removes them
+    (KeyError when absent), None means all tags, release asserts an idle engine."""
+    constants = (src / "srt/constants.py").read_text()
+    for tag in sglang_engine.ALL_TAGS:
+        assert f'= "{tag}"' in constants
+    assert "GPU_MEMORY_ALL_TYPES = [" in constants
+    path = src / "srt/managers/scheduler_components/weight_updater.py"
+    module = tree(path)
+    release = source_of(path, find(module, "release_memory_occupation"))
+    resume = source_of(path, find(module, "resume_memory_occupation"))
+    assert "self.offload_tags.add(tag)" in release and "is_fully_idle" in release
+    assert "self.offload_tags.remove(tag)" in resume
+    for body in (release, resume):
+        assert "tags = GPU_MEMORY_ALL_TYPES" in body
+
+
+def test_weight_update_session_and_results(src):
+    path = src / "srt/managers/scheduler_components/weight_updater.py"
+    module = tree(path)
+    update = source_of(path, find(module, "update_weights_from_tensor"))
+    assert "if self._session is None:" in update and "success=False" in update
+    assert "begin_weight_update() and end_weight_update()" in update
+    assert "a weight-update session is already open" in source_of(path, find(module, "begin_weight_update"))
+    assert "no weight-update session is open" in source_of(path, find(module, "end_weight_update"))
+    mixin = src / "srt/managers/tokenizer_control_mixin.py"
+    for name in ("update_weights_from_tensor", "begin_weight_update", "end_weight_update"):
+        fn = find(tree(mixin), name)
+        assert ast.unparse(fn.returns) == "Tuple[bool, str]", name
+
+
+def test_flattened_bucket_payloads(src):
+    """One serialised {"flattened_tensor", "metadata"} payload per TP rank; rank i reads payload i."""
+    bucket = find(tree(src / "srt/weight_sync/tensor_bucket.py"), "FlattenedTensorBucket", ast.ClassDef)
+    names = {f.name: f for f in bucket.body if isinstance(f, ast.FunctionDef)}
+    assert {"named_tensors", "flattened_tensor", "metadata"} <= params(names["__init__"])
+    assert {"get_flattened_tensor", "get_metadata"} <= set(names)
+    runner = src / "srt/model_executor/model_runner_components/weight_updater.py"
+    text = source_of(runner, find(tree(runner), "_update_weights_from_flattened_bucket"))
+    assert 'flattened_tensor_bucket_dict["flattened_tensor"]' in text
+    assert 'flattened_tensor_bucket_dict["metadata"]' in text
+    worker = src / "srt/managers/tp_worker.py"
+    own = source_of(worker, find(tree(worker), "deserialize_own_rank"))
+    assert "serialized_named_tensors[get_parallel().tp_rank]" in own
+    common = tree(src / "srt/utils/common.py")
+    assert "serialize" in {f.name for f in find(common, "MultiprocessingSerializer", ast.ClassDef).body
+                           if isinstance(f, ast.FunctionDef)}
+    find(tree(src / "srt/utils/patch_torch.py"), "monkey_patch_torch_reductions")
+
+
+def test_engine_dtype_rule(src):
+    """`engine_dtype` mirrors `_get_and_verify_dtype`: fp32 checkpoints are served in fp16."""
+    path = src / "srt/configs/model_config.py"
+    text = source_of(path, find(tree(path), "_get_and_verify_dtype"))
+    assert 'if dtype == "auto":' in text and "torch_dtype = torch.float16" in text
+    assert 'model_type.startswith("gemma")' in text and "torch_dtype = torch.bfloat16" in text
+
+
+def test_torchrun_agent_store_variable():
+    """Why SGLang starts with TORCHELASTIC_* scrubbed: torch's c10d store creation turns every
+    process into a client when this variable says True."""
+    import importlib.util
+
+    path = importlib.util.find_spec("torch.distributed.rendezvous").origin
+    assert 'os.environ.get("TORCHELASTIC_USE_AGENT_STORE", None) == str(True)' in Path(path).read_text()
+
+
+def test_memory_saver_refuses_double_pause_and_resume():
+    """The torch_memory_saver rules FakeSGLang enforces, from its compiled messages."""
+    root = _download(MEMORY_SAVER).parent
+    blobs = b"".join(p.read_bytes() for p in root.glob("torch_memory_saver_hook_mode_*.so"))
+    if not blobs:  # the .so files sit next to the package in this wheel
+        with zipfile.ZipFile(next((CACHE / "wheels").glob("torch_memory_saver-*.whl"))) as z:
+            blobs = b"".join(z.read(m) for m in z.namelist() if m.endswith(".so"))
+    assert b"Cannot pause allocation that is not active." in blobs
+    assert b"Cannot resume allocation that is not paused." in blobs

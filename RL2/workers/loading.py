@@ -5,13 +5,11 @@ Steps (world > 1):
 1. rank 0 reads the HF checkpoint on the host (its state dict is the one full copy);
 2. every rank builds the architecture on meta and parallelises it (TP, activation
    checkpointing, FSDP2), then allocates its shards (`to_empty`);
-3. `set_model_state_dict(..., broadcast_from_rank0=True)` sends each full tensor from rank 0
-   and every rank keeps its shard;
-4. buffers outside the state dict (rotary `inv_freq`, ...) are broadcast from rank 0 as well.
+3. each full tensor (parameters and every buffer, rotary `inv_freq` included) is broadcast from
+   rank 0 in turn, and every rank copies its shard out of it.
 """
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
 from RL2.parallel.attention import register
 
@@ -60,24 +58,43 @@ def load_sharded(path: str, value_head: bool, dtype: torch.dtype, trust_remote_c
         model = load_hf_model(path, value_head, dtype, trust_remote_code)
         parallelize(model)
         return model.to(device)
-    full, extra = {}, {}
+    full = {}
     if rank == 0:
         real = load_hf_model(path, value_head, dtype, trust_remote_code)
-        full = real.state_dict()  # the only full copy on the host
-        extra = {n: b for n, b in real.named_buffers() if n not in full}
+        full = {**real.state_dict(), **dict(real.named_buffers())}  # the only full copy on the host
         del real
     # Every rank shards a meta model: sharding real tensors (TP's distribute_tensor) would be
     # a collective that only rank 0 enters.
     model = load_hf_model(path, value_head, dtype, trust_remote_code, on_meta=True)
     parallelize(model)
     model.to_empty(device=device)
-    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True,
-                                                               broadcast_from_rank0=True))
-    del full
-    box = [{n: b.cpu() for n, b in extra.items()}]
-    dist.broadcast_object_list(box, src=0)
-    buffers = dict(model.named_buffers())
-    with torch.no_grad():
-        for name, value in box[0].items():
-            buffers[name].copy_(value)
+    broadcast_from_rank0(model, full)
     return model
+
+
+@torch.no_grad()
+def broadcast_from_rank0(model, full: dict) -> None:
+    """Fill every parameter and buffer of a sharded `model` from rank 0's full tensors, one
+    tensor at a time: a rank holds its shards plus one full tensor at most. (`set_model_state_dict(
+    broadcast_from_rank0=True)` in torch 2.13 keeps each broadcast full tensor alive until the end,
+    as its shard is a view of it: a whole model per rank at the peak.)"""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    from RL2.parallel.collectives import group_device
+
+    wire = group_device()
+    targets = {**model.state_dict(keep_vars=True), **dict(model.named_buffers())}
+    for name, target in targets.items():  # same names, same order on every rank
+        if dist.get_rank() == 0:
+            buf = full[name].detach().to(wire, target.dtype)
+        else:
+            buf = torch.empty(target.shape, dtype=target.dtype, device=wire)
+        dist.broadcast(buf, src=0)
+        if isinstance(target, DTensor):
+            shape, offset = compute_local_shape_and_global_offset(
+                target.shape, target.device_mesh, target.placements)
+            target._local_tensor.copy_(buf[tuple(slice(o, o + n) for o, n in zip(offset, shape))])
+        else:
+            target.copy_(buf)
+        del buf

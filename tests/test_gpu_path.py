@@ -258,8 +258,9 @@ def _rollout_choice(rank, world, model_path):
     real = dist.all_gather_object
     with mock.patch.object(dist, "all_gather_object",
                            lambda out, obj, group=None: (groups.append(group), real(out, obj, group=group))):
-        r.engine = None
-        r._generate([{"index": 0}], OmegaConf.create(dict(temperature=0.0)), 1, "t")
+        r.engine = None  # no trajectories: only the wait is exercised (then no result: KeyError)
+        with pytest.raises(KeyError):
+            r._generate([{"index": 0}], OmegaConf.create(dict(temperature=0.0)), 1, "t")
     return r.kind, built, dist.get_backend(groups[0]), groups[0] is r.cpu_group, rollout_mod.ROLLOUT_TIMEOUT
 
 

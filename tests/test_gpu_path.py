@@ -233,6 +233,7 @@ def test_meta_load_reads_the_checkpoint_once(assets, tmp_path, tp):
 def _rollout_choice(rank, world, model_path):
     """engine=auto with CUDA "available" and no sglang: torch engine, torch arguments only."""
     import importlib.util
+    from types import SimpleNamespace
     from unittest import mock
 
     from RL2.rollout import rollout as rollout_mod
@@ -253,7 +254,8 @@ def _rollout_choice(rank, world, model_path):
             mock.patch.object(importlib.util, "find_spec",
                               lambda name, *a: None if name == "sglang" else real_find_spec(name, *a)), \
             mock.patch("RL2.rollout.torch_engine.TorchEngine", Recorder):
-        r = rollout_mod.Rollout(cfg, None, None, model_path, "cuda", seed=0)
+        env = SimpleNamespace(start=lambda: None)
+        r = rollout_mod.Rollout(cfg, None, env, model_path, "cuda", seed=0)
     groups = []
     real = dist.all_gather_object
     with mock.patch.object(dist, "all_gather_object",

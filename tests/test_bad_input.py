@@ -65,7 +65,7 @@ def test_bad_optimizer_keys_named_before_the_model_loads(assets, tmp_path):
     ("", ["data file '{path}' is empty"]),
     ('{"prompt": "hi", "response": "x"}\n{"prompt": "hi", "response": \n', ["'{path}': line 2 is not valid JSON"]),
     ('{"prompt": "hi", "response": "x"}\n{"prompt": null, "response": "x"}\n',
-     ["{path} row 1: key 'prompt' is null", "row 1 is line 2"]),
+     ["{path} row 1: missing key 'prompt' (null or absent in this row)", "row 1 is line 2"]),
 ], ids=["empty", "malformed-line", "null-prompt"])
 def test_bad_data_file_named_before_the_model_loads(assets, tmp_path, content, needle):
     path = tmp_path / "data.jsonl"

@@ -35,7 +35,8 @@ def _where(source, row_index) -> str:
 def _get(row, key, where):
     value = row.get(key) if hasattr(row, "get") else None
     if value is None and hasattr(row, "keys") and key in row.keys():
-        raise DataError(f"{where}: key '{key}' is null")
+        # A loaded dataset fills a key absent from this row (present in others) with null.
+        raise DataError(f"{where}: missing key '{key}' (null or absent in this row)")
     if value is None:
         keys = sorted(row) if hasattr(row, "keys") else type(row).__name__
         raise DataError(f"{where}: missing key '{key}' (row has {keys})")
@@ -151,7 +152,7 @@ def sft_tokens(row, tokenizer, *, prompt_key="prompt", response_key="response",
         return chat_tokens(tokenizer, messages, where, key=messages_key)
     for key in (prompt_key, messages_key):
         if key and hasattr(row, "keys") and key in row.keys() and row[key] is None and not _has(row, messages_key):
-            raise DataError(f"{where}: key '{key}' is null")
+            raise DataError(f"{where}: missing key '{key}' (null or absent in this row)")
     if not _has(row, prompt_key) and not _has(row, messages_key):
         raise DataError(
             f"{where}: missing key '{messages_key}' or '{prompt_key}' (row has {sorted(row)})"

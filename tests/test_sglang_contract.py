@@ -163,6 +163,25 @@ def test_weight_sync_cycles_follow_sglang_order(fake_sglang):
     engine.loop.close()
 
 
+def test_trainer_cache_is_freed_before_the_engine_resumes(fake_sglang, monkeypatch):
+    """Defect 8: SGLang re-maps the KV pool it sized at start-up, so the trainer's cached CUDA
+    blocks must go back to the driver before every resume. CUDA is faked (is_initialized,
+    empty_cache); the real allocator's effect shows only on a GPU."""
+    engine = new_engine()
+    fake = engine.engine
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: fake.calls.append(("empty_cache",)))
+    sync = WeightSync(small_model(), "local")
+    for _ in range(2):
+        fake.calls.clear()
+        sync(engine)
+        engine.release_memory()
+        kinds = [c[0] for c in fake.calls]
+        assert kinds[0] == "empty_cache" and kinds[1] == "resume"  # freed before the first resume
+        assert kinds.count("resume") == 2
+    engine.loop.close()
+
+
 def test_failed_update_raises_and_closes_the_session(fake_sglang):
     """(success, message) is checked: a failed update raises (old adapter: silently sampled from
     stale weights) and the session is closed, so the next sync works."""

@@ -450,6 +450,6 @@ def free_device_cache() -> None:
     """Hand the trainer's cached CUDA blocks back to the driver before an engine resumes its
     memory: SGLang re-maps the KV pool it sized at start-up, before the optimizer state existed,
     and the caching allocator would otherwise still hold the trainer's freed blocks (OOM)."""
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    if torch.cuda.is_initialized():  # initialised implies available
         torch.cuda.empty_cache()
 

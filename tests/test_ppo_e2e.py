@@ -1,6 +1,6 @@
 """PPO end to end on CPU under torchrun: SFT warm start on answers with a systematic mistake, then
-RL raises the reward (single-turn GRPO, single-turn PPO with a critic, a two-question multi-turn chat); resume
-after a crash repeats the straight run."""
+RL raises the reward (single-turn GRPO, single-turn PPO with a critic, a two-question multi-turn
+chat, the GSPO and CISPO presets, a composed reward); resume after a crash repeats the straight run."""
 import json
 import math
 from pathlib import Path

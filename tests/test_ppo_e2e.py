@@ -31,7 +31,7 @@ async def step(state, action, extra_info):
 '''
 
 # What makes the reward rise reliably on CPU with the tiny model (about 1 s per step).
-RL_ARGS = ["actor.lr=1e-3", "actor.rollout.prompts_per_rollout=16", "actor.rollout.responses_per_prompt=8",
+RL_ARGS = ["actor.lr=2e-3", "actor.rollout.prompts_per_rollout=16", "actor.rollout.responses_per_prompt=8",
            "actor.rollout.train_sampling_params.max_new_tokens=4",
            "actor.rollout.test_sampling_params.max_new_tokens=4", "trainer.total_steps=30"]
 
@@ -83,9 +83,14 @@ def test_ppo_with_a_critic_raises_the_reward(warm_start, tmp_path):
     rows = [r for r in read_metrics(tmp_path) if "rollout/reward" in r]
     assert_rises([r["rollout/reward"] for r in rows])
     assert "actor/loss" not in rows[0] and "actor/loss" in rows[2]  # critic warm-up
-    assert rows[2]["critic/lr"] == 3e-3 and rows[2]["actor/lr"] == 1e-3  # each its own lr
+    assert rows[2]["critic/lr"] == 3e-3 and rows[2]["actor/lr"] == 2e-3  # each its own lr
+    # The fresh value head learns: its loss is well under a zero-value head's on the same rewards
+    # (0.5 * R^2 = 0.5 * R for a 0/1 reward; step 1's loss is that). Not "below step 1": a 0/1
+    # reward's variance grows as the mean rises from ~0.2, and with it the best reachable loss.
     value_losses = [r["critic/value_loss"] for r in rows]
-    assert sum(value_losses[-5:]) / 5 < value_losses[0]  # the fresh value head learns
+    assert value_losses[0] == pytest.approx(0.5 * rows[0]["rollout/reward"], rel=0.2)
+    last = [r["rollout/reward"] for r in rows[-5:]]
+    assert sum(value_losses[-5:]) < 0.7 * 0.5 * sum(last), (value_losses, last)
 
 
 def write_two_question_data(warm, tmp_path):

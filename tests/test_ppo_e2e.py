@@ -1,6 +1,6 @@
-"""PPO end to end on CPU under torchrun: SFT warm start on noisy answers, then RL raises the
-reward (single-turn GRPO, single-turn PPO with a critic, a two-question multi-turn chat); resume
-after a crash repeats the straight run."""
+"""PPO end to end on CPU under torchrun: SFT warm start on answers with a systematic mistake, then
+RL raises the reward (single-turn GRPO, single-turn PPO with a critic, a two-question multi-turn
+chat, the GSPO and CISPO presets, a composed reward); resume after a crash repeats the straight run."""
 import json
 import math
 from pathlib import Path
@@ -31,21 +31,24 @@ async def step(state, action, extra_info):
 '''
 
 # What makes the reward rise reliably on CPU with the tiny model (about 1 s per step).
-RL_ARGS = ["actor.lr=1e-3", "actor.rollout.prompts_per_rollout=16", "actor.rollout.responses_per_prompt=8",
+RL_ARGS = ["actor.lr=2e-3", "actor.rollout.prompts_per_rollout=16", "actor.rollout.responses_per_prompt=8",
            "actor.rollout.train_sampling_params.max_new_tokens=4",
            "actor.rollout.test_sampling_params.max_new_tokens=4", "trainer.total_steps=30"]
 
 
 @pytest.fixture(scope="module")
 def warm_start(assets, tmp_path_factory):
-    """A hidden-64 model, SFT'd on answers that are right half the time (256 steps)."""
+    """A hidden-64 model, SFT'd (256 steps) on answers with a systematic mistake (a+b+1 is more
+    frequent than a+b, as in the quick-start): sampling is right ~30% of the time and RL must move
+    the mode. (The noisy set, right half the time, gave a warm start at reward ~0.08 with the
+    Qwen2-pipeline tokenizer, from which the presets barely rose.)"""
     from RL2.tools.make_assets import build_tiny_model, write_datasets
 
     root = tmp_path_factory.mktemp("ppo_warm")
     build_tiny_model(str(root / "model"), assets["tokenizer"], "qwen2", hidden=64, layers=2)
     write_datasets(str(root / "data"), n_train=1024, n_test=64)
     run_trainer("sft", 1, [f"actor.model_name={root / 'model'}",
-                           f"data.train.path={root / 'data' / 'sft_noisy_train.jsonl'}",
+                           f"data.train.path={root / 'data' / 'sft_biased_train.jsonl'}",
                            "data.train.batch_size=32", "actor.lr=3e-3", "actor.scheduler=cosine",
                            "trainer.n_epochs=8"], root / "sft")
     return {"model": str(root / "sft" / "run" / "final"), "data": root / "data"}
@@ -80,7 +83,7 @@ def test_ppo_with_a_critic_raises_the_reward(warm_start, tmp_path):
     rows = [r for r in read_metrics(tmp_path) if "rollout/reward" in r]
     assert_rises([r["rollout/reward"] for r in rows])
     assert "actor/loss" not in rows[0] and "actor/loss" in rows[2]  # critic warm-up
-    assert rows[2]["critic/lr"] == 3e-3 and rows[2]["actor/lr"] == 1e-3  # each its own lr
+    assert rows[2]["critic/lr"] == 3e-3 and rows[2]["actor/lr"] == 2e-3  # each its own lr
     value_losses = [r["critic/value_loss"] for r in rows]
     assert sum(value_losses[-5:]) / 5 < value_losses[0]  # the fresh value head learns
 
@@ -100,7 +103,8 @@ def write_two_question_data(warm, tmp_path):
 def test_multi_turn_chat_raises_the_reward(warm_start, tmp_path):
     data, env = write_two_question_data(warm_start, tmp_path)
     run_trainer("ppo", 2, [f"actor.model_name={warm_start['model']}", f"data.train.path={data}",
-                           f"actor.rollout.env_path={env}", *RL_ARGS, "actor.rollout.max_turns=2"],
+                           f"actor.rollout.env_path={env}", *RL_ARGS, "actor.rollout.max_turns=2",
+                           "actor.lr=1e-3"],  # 2e-3 dips at the start here (measured 0.10 vs 0.15 rise)
                 tmp_path / "out")
     assert_rises(train_rows(tmp_path / "out", "rollout/reward"), by=0.1)
     assert all(t == 2 for t in train_rows(tmp_path / "out", "rollout/turns"))
@@ -174,10 +178,6 @@ PRESETS = {
 }
 
 
-# Both passed on the warm start before main's Qwen2-pipeline tokenizer (reward ~0.3 at step 1);
-# on the new warm start the policy starts at ~0.08 and rose only ~0.03-0.05 in 30 steps (one run
-# each, busy machine): kept visible, not required, until the warm start is retuned.
-@pytest.mark.xfail(strict=False, reason="weak warm start since the tokenizer change: see comment")
 @pytest.mark.parametrize("preset", list(PRESETS))
 def test_preset_raises_the_reward(warm_start, tmp_path, preset):
     run_trainer("ppo", 2, rl_args(warm_start, *PRESETS[preset]), tmp_path)
@@ -271,7 +271,7 @@ def test_reward_model_trained_by_rl2_is_the_reward_and_rises(warm_start, tmp_pat
     # better (reward hacking, as with any RM scored far from its training pairs).
 
 
-def test_composed_reward_from_config_is_the_weighted_sum_of_logged_components(warm_start, tmp_path):
+def test_composed_reward_from_config_raises_the_reward_and_logs_components(warm_start, tmp_path):
     env = str(Path(__file__).resolve().parents[1] / "envs" / "composed_reward.py")
     run_trainer("ppo", 2, [f"actor.model_name={warm_start['model']}",
                            f"data.train.path={warm_start['data'] / 'ppo_train.jsonl'}", f"actor.rollout.env_path={env}",
@@ -282,4 +282,4 @@ def test_composed_reward_from_config_is_the_weighted_sum_of_logged_components(wa
         want = r["rollout/reward/answer_match"] + 0.5 * r["rollout/reward/length_penalty"]
         assert math.isclose(r["rollout/reward"], want, rel_tol=1e-9, abs_tol=1e-12)
         assert r["rollout/score"] == r["rollout/reward/answer_match"] and r["rollout/reward/length_penalty"] < 0
-    # The rise itself is not asserted: on main's current warm start it was only ~0.06 in 30 steps.
+    assert_rises([r["rollout/reward"] for r in rows])

@@ -150,6 +150,8 @@ def actor_update(actor, samples: list[dict], cfg, kl_cfg, seed: int, step: int =
             loss, stats = surrogate(actor, mb, logps, old, cfg)
             if cfg.tis_coef:
                 loss = loss * tis_weight(old, d["engine_logps"], cfg.tis_coef)
+            if "is_weight" in d:  # masked / sequence-level IS (RL2/algorithms/off_policy.py)
+                loss = loss * d["is_weight"]
             if use_kl_loss:
                 kl = kl_estimator(logps, d["ref_logps"], kl_cfg.loss_estimator)
                 loss = loss + kl_cfg.coef * kl

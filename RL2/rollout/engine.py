@@ -93,6 +93,15 @@ class Engine(ABC):
         """Undo `release_memory` for `tags` (None = all). Weight sync order: resume ["weights"],
         update_weights, resume ["kv_cache"]."""
 
+    def abort_requests(self) -> None:
+        """End every in-flight request now with finish_reason "abort", returning the tokens
+        generated so far (asynchronous rollout: new weights arrive mid-generation; the caller
+        continues or restarts them). Called from the engine's event-loop thread, between
+        scheduler steps. Default: drop and re-take the KV cache, which aborts in-flight requests
+        (see `release_memory`); backends with a cheaper abort override it."""
+        self.release_memory(["kv_cache"])
+        self.resume_memory(["kv_cache"])
+
     @abstractmethod
     def shutdown(self) -> None:
         """Abort pending requests and free everything."""

@@ -7,6 +7,7 @@ import json
 import logging
 import os
 from collections import defaultdict
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
@@ -15,7 +16,7 @@ import torch.distributed as dist
 from RL2.algorithms.metrics import pass_at_k
 from RL2.rollout.engine import SamplingParams, make_engine, resolve_engine_kind
 from RL2.utils.seeding import derive_seed
-from RL2.rollout.trajectory import run_trajectory
+from RL2.rollout.trajectory import Requeue, run_trajectory
 from RL2.rollout.weight_sync import WeightSync
 
 logger = logging.getLogger(__name__)
@@ -42,10 +43,26 @@ def sampling_params(cfg, seed=None) -> SamplingParams:
     return p
 
 
+@dataclass
+class RolloutBatch:
+    """The rollout of one step: every group generated (`seen`, with its status kept | filtered |
+    failed), the groups to train on (`kept`) and rollout metrics."""
+    step: int
+    seen: list = field(default_factory=list)
+    status: list = field(default_factory=list)
+    kept: list = field(default_factory=list)
+    metrics: dict = field(default_factory=dict)
+
+
 class Rollout:
     """Owns the engine of this rank's rollout group (only the group leader holds one)."""
 
     reward_model = None  # optional scorer of train trajectories, set by the trainer (rollout/reward_model.py)
+    # Asynchronous rollout (RL2/rollout/producer.py): clock() = the engine's weight version, and
+    # what a generation cut by new weights does ("continue" | "restart"); None = synchronous.
+    clock = None
+    on_abort = None
+    requeued = 0
 
     def __init__(self, cfg, tokenizer, env, model_path: str, device: str, seed: int):
         self.cfg, self.tokenizer, self.env, self.seed = cfg, tokenizer, env, seed
@@ -91,14 +108,47 @@ class Rollout:
             self.peer = SGLangPeer(mine, kw["bucket_bytes"], dtype)
         return {"group": mine}
 
-    def sync(self, model) -> dict:
-        if self._weight_sync is None or self._weight_sync.model is not model:
-            self._weight_sync = WeightSync(model, self.cfg.weight_sync, self.cfg.bucket_mb)
-        return self._weight_sync(self.engine or self.peer)
+    def sync(self, model, share: bool = True) -> dict:
+        """Bring the engine to the model's weights (a collective over the model's ranks).
+        share=False: the engine keeps its own copy (asynchronous rollout: it generates while the
+        optimizer rewrites the trainer's tensors)."""
+        return self._sync_for(model, share)(self.engine or self.peer)
+
+    def _sync_for(self, model, share: bool = True) -> WeightSync:
+        ws = self._weight_sync
+        if ws is None or ws.model is not model or ws.share != share:
+            self._weight_sync = ws = WeightSync(model, self.cfg.weight_sync, self.cfg.bucket_mb, share=share)
+        return ws
+
+    def snapshot(self, model) -> list | None:
+        """A private copy of the model's full weights, (HF name, tensor) pairs, for this rank's
+        engine to load later (None on ranks without one). A collective over the model's ranks,
+        called on the trainer's thread."""
+        named = [(name, t.clone()) for name, t in self._sync_for(model, share=False).stream()]
+        return named if self.engine is not None else None
 
     def release(self):
         if self.engine is not None:
             self.engine.release_memory()
+
+    def _trajectory_jobs(self, prompts: list[dict], params_cfg, n: int, tag: str, mine: list):
+        """One coroutine per (prompt, sample) job of this group; with `on_abort == "restart"` a
+        trajectory cut by new weights runs again from the start (counted in `self.requeued`)."""
+        async def one(p: int, j: int):
+            uid = f"{tag}-{prompts[p]['index']}-{j}"
+            # Seeded per request from (seed, tag = split/step/refill, prompt, sample): results
+            # do not depend on which rank or batch ran it, so resumed runs repeat.
+            seed = derive_seed(self.seed, uid) if params_cfg.temperature > 0 else None
+            while True:
+                try:
+                    return await run_trajectory(
+                        self.engine, self.tokenizer, self.env, prompts[p], sampling_params(params_cfg, seed),
+                        self.cfg.max_turns, uid, max_length=self.cfg.max_length, clock=self.clock,
+                        on_abort=self.on_abort)
+                except Requeue:
+                    self.requeued += 1
+
+        return [one(p, j) for p, j in mine]
 
     def _generate(self, prompts: list[dict], params_cfg, n: int, tag: str) -> list:
         """Run n trajectories per prompt; this group runs its share of the jobs, then all ranks
@@ -108,17 +158,7 @@ class Rollout:
         local = []
         if self.engine is not None and mine:
             async def run_all():
-                tasks = []
-                for p, j in mine:
-                    uid = f"{tag}-{prompts[p]['index']}-{j}"
-                    # Seeded per request from (seed, tag = split/step/refill, prompt, sample):
-                    # results do not depend on which rank or batch ran it, so resumed runs repeat.
-                    seed = derive_seed(self.seed, uid) if params_cfg.temperature > 0 else None
-                    tasks.append(run_trajectory(
-                        self.engine, self.tokenizer, self.env, prompts[p],
-                        sampling_params(params_cfg, seed), self.cfg.max_turns, uid,
-                        max_length=self.cfg.max_length))
-                return await asyncio.gather(*tasks)
+                return await asyncio.gather(*self._trajectory_jobs(prompts, params_cfg, n, tag, mine))
 
             local = list(zip(mine, self.loop.run_until_complete(run_all())))
         gathered = [None] * dist.get_world_size()
@@ -129,6 +169,65 @@ class Rollout:
                 by_job[job] = traj
         return [[by_job[(p, j)] for j in range(n)] for p in range(len(prompts))]
 
+    def _status(self, group: list, train: bool) -> str:
+        if train and any(t.failed for t in group):
+            return "failed"
+        if train and self.cfg.dynamic_filtering and len({t.reward for t in group}) == 1:
+            return "filtered"
+        return "kept"
+
+    def run_batch(self, prompt_source, step: int, train: bool = True) -> RolloutBatch:
+        """The groups of one step (with refills after dynamic filtering), their statuses and
+        metrics; no dump, no failure check (see `run`)."""
+        cfg = self.cfg
+        params = cfg.train_sampling_params if train else cfg.test_sampling_params
+        n = cfg.responses_per_prompt if train else cfg.test_responses_per_prompt
+        filtering = train and cfg.dynamic_filtering
+        batch, tries, requeued = RolloutBatch(step), 0, self.requeued
+        while True:
+            tag = f"{'train' if train else 'test'}{step}" + (f".{tries}" if tries else "")
+            groups = self._generate(prompt_source(tries), params, n, tag)
+            if train and self.reward_model is not None:  # a collective: every rank has all groups
+                self.reward_model(groups)
+            if train and cfg.overlong_buffer:
+                for t in (t for g in groups for t in g):
+                    shape_overlong(t, params.max_new_tokens, cfg.overlong_buffer, cfg.overlong_penalty)
+            batch.seen.extend(groups)
+            batch.status.extend(self._status(g, train) for g in groups)
+            tries += 1
+            kept = batch.status.count("kept")
+            if not filtering or kept >= cfg.prompts_per_rollout or tries > cfg.max_refill_tries:
+                break
+        batch.kept = [g for g, st in zip(batch.seen, batch.status) if st == "kept"]
+        if filtering:
+            if len(batch.kept) < cfg.prompts_per_rollout:
+                logger.warning(f"dynamic filtering: only {len(batch.kept)} informative groups after "
+                               f"{tries} tries (wanted {cfg.prompts_per_rollout})")
+            batch.kept = batch.kept[:cfg.prompts_per_rollout]
+        batch.metrics = self.metrics(batch.seen, n, cfg.pass_k)
+        batch.metrics.update(filtered_groups=float(batch.status.count("filtered")),
+                             failed_groups=float(batch.status.count("failed")), rollout_tries=float(tries))
+        if self.clock is not None:
+            batch.metrics["requeued"] = float(self.requeued - requeued)
+        return batch
+
+    def check_failures(self, batch: RolloutBatch, dump_path: str | None):
+        """Dump every trajectory (JSONL, with its group's status) before the failure budget is
+        checked, so a stopped run leaves the errors on disk."""
+        if dump_path:
+            self.dump(batch.seen, batch.status, dump_path)
+        flat = [t for g in batch.seen for t in g]
+        failed = sum(t.failed for t in flat)
+        if flat and failed / len(flat) > self.cfg.max_failed_ratio:
+            errors = "\n  ".join(f"{t.uid}: {t.error}" for t in flat if t.failed)
+            raise RuntimeError(
+                f"{failed}/{len(flat)} trajectories failed, more than actor.rollout.max_failed_ratio="
+                f"{self.cfg.max_failed_ratio}; errors (also in {dump_path or 'the rollout dump'}):\n  "
+                f"{errors[:3000]}")
+        if failed:
+            logger.warning(f"{failed}/{len(flat)} trajectories failed (env errors); their groups "
+                           f"are left out of the update. First: {next(t.error for t in flat if t.failed)}")
+
     def run(self, prompt_source, step: int, train: bool = True,
             dump_path: str | None = None) -> tuple[list[list], dict]:
         """Trajectories grouped per prompt for training, and rollout metrics.
@@ -137,58 +236,11 @@ class Rollout:
         after filtering). Train groups containing a failed trajectory are dropped (an env error
         says nothing about the policy); with dynamic filtering, groups whose rewards are all
         equal are too, and more prompts are drawn until prompts_per_rollout groups are kept or
-        max_refill_tries refills were made. Every trajectory is dumped to `dump_path` (JSONL,
-        with its group's status) before the failure budget is checked, so a stopped run leaves
-        the errors on disk.
+        max_refill_tries refills were made. Every trajectory is dumped to `dump_path`.
         """
-        cfg = self.cfg
-        params = cfg.train_sampling_params if train else cfg.test_sampling_params
-        n = cfg.responses_per_prompt if train else cfg.test_responses_per_prompt
-        filtering = train and cfg.dynamic_filtering
-        kept, seen, status, tries = [], [], [], 0
-        while True:
-            tag = f"{'train' if train else 'test'}{step}" + (f".{tries}" if tries else "")
-            groups = self._generate(prompt_source(tries), params, n, tag)
-            if train and self.reward_model is not None:  # a collective: every rank has all groups
-                self.reward_model(groups)
-            if train and cfg.overlong_buffer:
-                for g in groups:
-                    for t in g:
-                        shape_overlong(t, params.max_new_tokens, cfg.overlong_buffer, cfg.overlong_penalty)
-            for g in groups:
-                if train and any(t.failed for t in g):
-                    status.append("failed")
-                elif filtering and len({t.reward for t in g}) == 1:
-                    status.append("filtered")
-                else:
-                    status.append("kept")
-                    kept.append(g)
-            seen.extend(groups)
-            tries += 1
-            if not filtering or len(kept) >= cfg.prompts_per_rollout or tries > cfg.max_refill_tries:
-                break
-        if filtering and len(kept) < cfg.prompts_per_rollout:
-            logger.warning(f"dynamic filtering: only {len(kept)} informative groups after "
-                           f"{tries} tries (wanted {cfg.prompts_per_rollout})")
-        if filtering:
-            kept = kept[:cfg.prompts_per_rollout]
-        if dump_path:
-            self.dump(seen, status, dump_path)
-        flat = [t for g in seen for t in g]
-        failed = sum(t.failed for t in flat)
-        if flat and failed / len(flat) > cfg.max_failed_ratio:
-            errors = "\n  ".join(f"{t.uid}: {t.error}" for t in flat if t.failed)
-            raise RuntimeError(
-                f"{failed}/{len(flat)} trajectories failed, more than actor.rollout.max_failed_ratio="
-                f"{cfg.max_failed_ratio}; errors (also in {dump_path or 'the rollout dump'}):\n  "
-                f"{errors[:3000]}")
-        if failed:
-            logger.warning(f"{failed}/{len(flat)} trajectories failed (env errors); their groups "
-                           f"are left out of the update. First: {next(t.error for t in flat if t.failed)}")
-        metrics = self.metrics(seen, n, cfg.pass_k)
-        metrics.update(filtered_groups=float(status.count("filtered")),
-                       failed_groups=float(status.count("failed")), rollout_tries=float(tries))
-        return kept, metrics
+        batch = self.run_batch(prompt_source, step, train)
+        self.check_failures(batch, dump_path)
+        return batch.kept, batch.metrics
 
     @staticmethod
     def metrics(groups: list[list], n: int, pass_k=()) -> dict:

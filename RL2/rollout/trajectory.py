@@ -36,6 +36,12 @@ class Trajectory:
     extra_info: dict = field(default_factory=dict)    # as after the last step
 
     @property
+    def min_version(self) -> int | None:
+        """The oldest weight version any of its tokens was generated with (None: unrecorded)."""
+        versions = [v for t in self.turns for v, _ in t.get("versions", ())]
+        return min(versions) if versions else None
+
+    @property
     def num_action_tokens(self) -> int:
         return int(sum(s["action_mask"].sum().item() for s in self.samples))
 
@@ -119,110 +125,181 @@ def _turn_params(params, turn: int, room: int | None):
     return dataclasses.replace(params, **changes) if changes else params
 
 
+class Requeue(Exception):
+    """New weights aborted this trajectory's generation (actor.rollout.inflight_update=abort):
+    the caller runs it again from the start."""
+
+
+@dataclass
+class TurnOutput:
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+    versions: list[list[int]]  # [[weight version, tokens generated with it], ...] in order
+
+
+async def generate_turn(engine, ids: list[int], params, clock=None, on_abort: str | None = None) -> TurnOutput:
+    """One turn of generation from `ids`. `clock()` gives the engine's weight version (None: 0).
+    An output ended by "abort" (new weights arrived mid-generation) is returned as is when
+    `on_abort` is None; with "continue" the turn goes on from its partial tokens under the new
+    weights (a partial rollout: one segment per version); with "restart" it raises Requeue."""
+    tokens, logps, versions, segment = [], [], [], 0
+    while True:
+        version = clock() if clock is not None else 0
+        p = params
+        if segment:  # the rest of the turn: fewer new tokens, its own seed
+            seed = None if params.seed is None else derive_seed(params.seed, "segment", segment)
+            p = dataclasses.replace(params, max_new_tokens=params.max_new_tokens - len(tokens), seed=seed)
+        out = (await engine.generate(list(ids) + tokens, p))[0]
+        if len(out.logprobs) != len(out.token_ids):
+            raise ValueError(f"engine returned {len(out.token_ids)} tokens but {len(out.logprobs)} logprobs")
+        tokens += list(out.token_ids)
+        logps += list(out.logprobs)
+        if out.token_ids:
+            versions.append([version, len(out.token_ids)])
+        finish = out.finish_reason
+        if finish != "abort" or on_abort is None:
+            return TurnOutput(tokens, logps, finish, versions)
+        if on_abort == "restart":
+            raise Requeue()
+        if len(tokens) >= params.max_new_tokens:
+            return TurnOutput(tokens, logps, "length", versions)
+        segment += 1
+
+
+class _Budget:
+    """Characters that surely hold a number of tokens (any text of k * max_token_chars
+    characters has at least k tokens), so env text is cut before it is tokenised."""
+
+    def __init__(self, tokenizer):
+        self.chars_per_token = _max_token_chars(tokenizer)
+
+    def __call__(self, tokens: int | None, text: str | None = None):
+        chars = None if tokens is None else max(0, tokens) * self.chars_per_token
+        return chars if text is None else (text if chars is None else text[:chars])
+
+
+def _fail(traj: Trajectory, where: str, e: Exception, record: dict | None = None):
+    traj.failed, traj.error = True, f"{where}: {type(e).__name__}: {e}"
+    if record is not None:
+        record["error"] = traj.error
+    logger.warning("trajectory %s failed in %s", traj.uid, traj.error)
+
+
+async def _initial_state(env: Env, tokenizer, prompt: dict, traj: Trajectory, budget: _Budget,
+                         max_length: int | None):
+    """(state text, prompt ids, extra_info) from the prompt row or `env.reset`; None when reset
+    failed (the trajectory is marked failed)."""
+    extra_info = traj.extra_info
+    if prompt.get("prompt_ids") is not None:
+        ids = list(prompt["prompt_ids"])
+        state = prompt.get("prompt_text")
+        return (_decode(tokenizer, ids) if state is None else state), ids, extra_info
+    try:
+        state, extra_info = await env.reset(extra_info)
+    except Exception as e:
+        _fail(traj, "reset", e)
+        return None
+    extra_info = extra_info if "uid" in extra_info else {**extra_info, "uid": traj.uid}
+    traj.extra_info = extra_info
+    state = budget(max_length, state)
+    return state, _encode(tokenizer, state)[:max_length], extra_info
+
+
+def _take_step_result(traj: Trajectory, seq: _Sequence, res: dict, record: dict) -> dict:
+    """Book the env's reward on the turn's last action token (an empty action: the last action
+    token of the sequence; none at all: only in the totals); returns the new extra_info."""
+    extra_info = res["extra_info"] if "uid" in res["extra_info"] else {**res["extra_info"], "uid": traj.uid}
+    traj.extra_info = extra_info
+    traj.reward += res["reward"]
+    traj.score += res["score"]
+    record.update(reward=res["reward"], score=res["score"], done=res["done"])
+    last = seq.last_action_index()
+    if last is not None:
+        seq.rewards[last] += res["reward"]
+    return extra_info
+
+
 async def run_trajectory(engine, tokenizer, env: Env, prompt: dict, sampling_params, max_turns: int,
-                         uid: str, max_length: int | None = None) -> Trajectory:
+                         uid: str, max_length: int | None = None, clock=None,
+                         on_abort: str | None = None) -> Trajectory:
     """Run one trajectory. `prompt` has `prompt_ids` (list[int]) and `prompt_text` (str), or
     neither (then `env.reset(extra_info)` gives the initial state), plus `extra_info` (dict).
     `uid` must be unique per trajectory: it is put into extra_info["uid"] to key per-trajectory
-    env objects. `max_length` (optional) caps the tokens of any one sequence.
+    env objects. `max_length` (optional) caps the tokens of any one sequence. `clock` and
+    `on_abort`: see `generate_turn` (asynchronous rollout); each turn records the weight
+    versions of its tokens.
 
     Environment failures (exception, timeout, malformed result) end the trajectory with
     `failed=True` and never raise; the samples generated so far are kept. Engine errors propagate.
     """
-    max_turns = max(1, int(max_turns))
-    chars_per_token = _max_token_chars(tokenizer)
-
-    def char_budget(tokens: int | None, text: str | None = None):
-        """Characters that surely hold `tokens` tokens (or `text` cut to them)."""
-        chars = None if tokens is None else max(0, tokens) * chars_per_token
-        return chars if text is None else (text if chars is None else text[:chars])
-
+    max_turns, budget = max(1, int(max_turns)), _Budget(tokenizer)
     extra_info = env.initial_extra_info(prompt.get("extra_info"), uid)
     traj = Trajectory(uid=uid, extra_info=extra_info)
     sequences: list[_Sequence] = []
-
-    def fail(where: str, e: Exception, record: dict | None = None):
-        traj.failed, traj.error = True, f"{where}: {type(e).__name__}: {e}"
-        if record is not None:
-            record["error"] = traj.error
-        logger.warning("trajectory %s failed in %s", uid, traj.error)
-
     try:
-        if prompt.get("prompt_ids") is not None:
-            ids = list(prompt["prompt_ids"])
-            state = prompt.get("prompt_text")
-            if state is None:
-                state = _decode(tokenizer, ids)
-        else:
-            try:
-                state, extra_info = await env.reset(extra_info)
-            except Exception as e:
-                fail("reset", e)
-                return traj
-            extra_info = extra_info if "uid" in extra_info else {**extra_info, "uid": uid}
-            traj.extra_info = extra_info
-            state = char_budget(max_length, state)
-            ids = _encode(tokenizer, state)[:max_length]
+        start = await _initial_state(env, tokenizer, prompt, traj, budget, max_length)
+        if start is None:
+            return traj
+        state, ids, extra_info = start
         traj.prompt_text = state
-        seq = _Sequence(ids)
-        sequences.append(seq)
-
+        sequences.append(_Sequence(ids))
         for turn in range(max_turns):
-            room = None if max_length is None else max_length - len(seq.ids)
-            if room is not None and room <= 0:
-                traj.truncated = True
-                break
-            out = (await engine.generate(list(seq.ids), _turn_params(sampling_params, turn, room)))[0]
-            if len(out.logprobs) != len(out.token_ids):
-                raise ValueError(f"engine returned {len(out.token_ids)} tokens but {len(out.logprobs)} logprobs")
-            action = _decode(tokenizer, out.token_ids)
-            seq.add(list(out.token_ids), action=True, logps=out.logprobs)
-            record = {"turn": turn, "action": action, "finish_reason": out.finish_reason}
-            traj.turns.append(record)
-            traj.num_turns = turn + 1
-
-            try:
-                res = await env.step(state, action, extra_info, max_new_chars=char_budget(max_length))
-            except Exception as e:
-                fail(f"step (turn {turn})", e, record)
-                break
-            extra_info = res["extra_info"] if "uid" in res["extra_info"] else {**res["extra_info"], "uid": uid}
-            traj.extra_info = extra_info
-            traj.reward += res["reward"]
-            traj.score += res["score"]
-            record.update(reward=res["reward"], score=res["score"], done=res["done"])
-            # The turn's reward lands on its last action token (an empty action: the last
-            # action token of the sequence; none at all: it is only in the totals).
-            last = seq.last_action_index()
-            if last is not None:
-                seq.rewards[last] += res["reward"]
-            if res["done"]:
-                break
-
-            next_state, prefix = res["next_state"], state + action
-            merged = next_state.startswith(prefix)
-            # Env text is cut to what could fit before it is tokenised: memory stays bounded
-            # whatever step returns; a turn that does not fit ends the trajectory as truncated.
-            room = None if max_length is None else (max_length - len(seq.ids) if merged else max_length)
-            env_text = char_budget(room, next_state[len(prefix):] if merged else next_state)
-            record["env_text"], record["new_sequence"] = env_text, not merged
-            state = prefix + env_text if merged else env_text
-            if turn == max_turns - 1:
-                traj.truncated = True
-                break
-            env_ids = _encode(tokenizer, env_text)
-            if not merged:
-                seq = _Sequence([])
-                sequences.append(seq)
-            seq.add(env_ids[:room], action=False)
-            if room is not None and len(env_ids) >= room:
-                traj.truncated = True
+            state, extra_info, done = await _turn(engine, tokenizer, env, traj, sequences, state, extra_info,
+                                                  sampling_params, turn, max_turns, max_length, budget,
+                                                  clock, on_abort)
+            if done:
                 break
     finally:
         await env.close(extra_info)
-
     traj.samples = [s.to_sample() for s in sequences if len(s.ids) >= 2]
     return traj
 
 
-__all__ = ["Trajectory", "run_trajectory"]
+async def _turn(engine, tokenizer, env, traj, sequences, state, extra_info, sampling_params, turn,
+                max_turns, max_length, budget, clock, on_abort):
+    """One generate -> step round; returns (state, extra_info, trajectory over)."""
+    seq = sequences[-1]
+    room = None if max_length is None else max_length - len(seq.ids)
+    if room is not None and room <= 0:
+        traj.truncated = True
+        return state, extra_info, True
+    out = await generate_turn(engine, seq.ids, _turn_params(sampling_params, turn, room), clock, on_abort)
+    action = _decode(tokenizer, out.token_ids)
+    seq.add(out.token_ids, action=True, logps=out.logprobs)
+    record = {"turn": turn, "action": action, "finish_reason": out.finish_reason}
+    if clock is not None:
+        record["versions"] = out.versions
+    traj.turns.append(record)
+    traj.num_turns = turn + 1
+    try:
+        res = await env.step(state, action, extra_info, max_new_chars=budget(max_length))
+    except Exception as e:
+        _fail(traj, f"step (turn {turn})", e, record)
+        return state, extra_info, True
+    extra_info = _take_step_result(traj, seq, res, record)
+    if res["done"]:
+        return state, extra_info, True
+    next_state, prefix = res["next_state"], state + action
+    merged = next_state.startswith(prefix)
+    # Env text is cut to what could fit before it is tokenised: memory stays bounded whatever
+    # step returns; a turn that does not fit ends the trajectory as truncated.
+    room = None if max_length is None else (max_length - len(seq.ids) if merged else max_length)
+    env_text = budget(room, next_state[len(prefix):] if merged else next_state)
+    record["env_text"], record["new_sequence"] = env_text, not merged
+    state = prefix + env_text if merged else env_text
+    if turn == max_turns - 1:
+        traj.truncated = True
+        return state, extra_info, True
+    env_ids = _encode(tokenizer, env_text)
+    if not merged:
+        seq = _Sequence([])
+        sequences.append(seq)
+    seq.add(env_ids[:room], action=False)
+    if room is not None and len(env_ids) >= room:
+        traj.truncated = True
+        return state, extra_info, True
+    return state, extra_info, False
+
+
+__all__ = ["Requeue", "Trajectory", "generate_turn", "run_trajectory"]

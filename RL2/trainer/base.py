@@ -187,7 +187,11 @@ class Trainer:
     def save(self, step: int):
         checkpoint.save_checkpoint(self.run_dir, step, self.trained_workers(), self.tokenizer,
                                    {"config": OmegaConf.to_container(self.cfg, resolve=True)},
-                                   keep_last=self.cfg.trainer.keep_last)
+                                   keep_last=self.cfg.trainer.keep_last, extra_files=self.checkpoint_extras())
+
+    def checkpoint_extras(self) -> dict:
+        """{file name: object} a trainer adds to its checkpoints (torch.save by rank 0)."""
+        return {}
 
     def maybe_resume(self):
         src = self.cfg.trainer.load_ckpt_from

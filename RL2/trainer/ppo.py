@@ -17,19 +17,23 @@ import torch
 
 from RL2.algorithms.advantages import OUTCOME_ESTIMATORS
 from RL2.algorithms.losses import AVG_LEVELS, KL_ESTIMATORS, POLICY_LOSSES, token_metrics
+from RL2.algorithms.off_policy import CORRECTIONS, apply_correction
 from RL2.algorithms.on_policy import check_engine_logps
 from RL2.algorithms.ppo import actor_update, compute_advantages, critic_update, engine_kl
 from RL2.data.formats import tokenize_prompt
 from RL2.data.mixture import MixtureSampler, load_mixed_splits
 from RL2.data.packing import token_capacity
 from RL2.rollout.env import EnvError, load_env
+from RL2.rollout.producer import INFLIGHT_MODES, Producer, drop_stale
 from RL2.rollout.rollout import Rollout
 from RL2.rollout.weight_sync import TRANSPORTS
 from RL2.trainer.base import Trainer
+from RL2.utils import checkpoint
 from RL2.utils.seeding import derive_seed
 from RL2.workers.actor import Actor
 
 logger = logging.getLogger("RL2")
+BUFFER_FILE = "rollout_buffer.pt"  # a checkpoint's buffered rollout batches (max_staleness > 0)
 
 
 @contextmanager
@@ -91,6 +95,7 @@ def check_config(cfg):
         problems.append(f"actor.rollout.bucket_mb={r.bucket_mb} must be > 0")
     if r.env_workers < 0:
         problems.append(f"actor.rollout.env_workers={r.env_workers} must be >= 0")
+    problems += check_async_config(cfg)
     if not 0 <= r.max_failed_ratio <= 1:
         problems.append(f"actor.rollout.max_failed_ratio={r.max_failed_ratio} must be in [0, 1]")
     # A rollout sequence must fit one micro-batch of every worker that reads it.
@@ -105,6 +110,28 @@ def check_config(cfg):
         raise SystemExit("invalid PPO config:\n  " + "\n  ".join(problems))
     if cfg.adv.estimator in ("reinforce", "rloo") and n == 1:
         logger.warning("responses_per_prompt=1 with a group baseline: every advantage is 0")
+
+
+def check_async_config(cfg) -> list[str]:
+    """Cross-key checks of the asynchronous rollout and the off-policy corrections."""
+    a, r, problems = cfg.actor, cfg.actor.rollout, []
+    if r.max_staleness < 0:
+        problems.append(f"actor.rollout.max_staleness={r.max_staleness} must be >= 0 (0 = synchronous)")
+    if r.inflight_update not in INFLIGHT_MODES:
+        problems.append(f"actor.rollout.inflight_update={r.inflight_update!r}: use one of {INFLIGHT_MODES}")
+    if r.max_staleness > 0:
+        if r.tp_size != 1:
+            problems.append("actor.rollout.max_staleness > 0 needs actor.rollout.tp_size=1 (one engine per rank)")
+        if r.reward_model:
+            problems.append("actor.rollout.max_staleness > 0 does not support actor.rollout.reward_model "
+                            "(its forward is a collective on the trainer's process group)")
+        if a.strict_on_policy:
+            problems.append("actor.strict_on_policy contradicts actor.rollout.max_staleness > 0 (off-policy)")
+    if a.is_correction is not None and a.is_correction not in CORRECTIONS:
+        problems.append(f"actor.is_correction={a.is_correction!r}: use one of {CORRECTIONS} (or null)")
+    if not 0 <= a.is_low <= 1 <= a.is_high:
+        problems.append(f"actor.is_low={a.is_low}, actor.is_high={a.is_high}: need 0 <= is_low <= 1 <= is_high")
+    return problems
 
 
 class PPOTrainer(Trainer):
@@ -144,8 +171,10 @@ class PPOTrainer(Trainer):
 
             self.rollout.reward_model = RewardModel(r.reward_model, cfg.actor, r.reward_model_coef, self.tokenizer,
                                                     self.device, seed, chat=cfg.data.train.apply_chat_template)
+        self.async_k, self.producer, self.buffered = r.max_staleness, None, {}
         self.maybe_resume()
-        sync = self.rollout.sync(self.actor.model)  # the engine serves exactly the trainer's weights
+        # the engine serves exactly the trainer's weights; asynchronous: a copy of its own
+        sync = self.rollout.sync(self.actor.model, share=not self.async_k)
         logger.info(f"initial weight sync: {sync}")
 
     @staticmethod
@@ -180,13 +209,39 @@ class PPOTrainer(Trainer):
 
     # ----- the algorithm -----
     def train_step(self, step: int) -> dict:
-        cfg, timings = self.cfg, {}
-        temperature = cfg.actor.rollout.train_sampling_params.temperature or 1.0
+        timings = {}
         with timed(timings, "rollout"):
+            groups, metrics = self.collect(step)
+        return self.learn(step, groups, metrics, timings)
+
+    def collect(self, step: int) -> tuple[list[list], dict]:
+        """This step's groups and rollout metrics: generated now (max_staleness=0), or taken
+        from the producer, without the groups too stale to train on."""
+        if not self.async_k:
             groups, rollout_metrics = self.rollout.run(
                 partial(self.prompts_for, step), step, dump_path=self.dump_path(f"step{step + 1}"))
             self.rollout.release()
-        metrics = {f"rollout/{k}": v for k, v in rollout_metrics.items()}
+            return groups, {f"rollout/{k}": v for k, v in rollout_metrics.items()}
+        if self.producer is None:
+            r = self.cfg.actor.rollout
+            self.producer = Producer(self.rollout, self.prompts_for, self.async_k, r.inflight_update,
+                                     version=step, n_steps=self.n_steps, buffered=self.buffered)
+        batch = self.producer.get(step)
+        self.rollout.check_failures(batch, self.dump_path(f"step{step + 1}"))
+        groups, dropped = drop_stale(batch.kept, step, self.async_k)
+        if dropped:
+            logger.warning(f"step {step + 1}: {dropped} trajectories older than max_staleness="
+                           f"{self.async_k} versions; their groups are left out")
+        ages = [step - t.min_version for g in groups for t in g if t.min_version is not None]
+        metrics = {f"rollout/{k}": v for k, v in batch.metrics.items()}
+        metrics.update({"async/dropped_stale": float(dropped),
+                        "async/staleness_mean": sum(ages) / max(1, len(ages)),
+                        "async/staleness_max": float(max(ages, default=0))})
+        return groups, metrics
+
+    def learn(self, step: int, groups: list[list], metrics: dict, timings: dict) -> dict:
+        """Log-probs, values, advantages, updates and the weight sync on this step's groups."""
+        cfg = self.cfg
         # Flatten to sequences; owner[i] = index of the trajectory that sequence i belongs to.
         trajectories = [t for g in groups for t in g]
         metrics["rollout/train_tokens"] = float(sum(t.num_action_tokens for t in trajectories))
@@ -195,35 +250,15 @@ class PPOTrainer(Trainer):
             samples.extend(traj.samples)
             owner.extend([t_index] * len(traj.samples))
         if not any(s["action_mask"].sum() > 0 for s in samples):
-            logger.warning(f"step {step + 1}: no trainable tokens (every group filtered or failed)")
+            logger.warning(f"step {step + 1}: no trainable tokens (every group filtered, failed or stale)")
             with timed(timings, "sync"):
-                metrics.update(self.sync_weights())
+                metrics.update(self.sync_weights(step))
             return {**metrics, **timings}
-
-        if self.ref is not None:
-            with timed(timings, "ref_logps"):
-                ref_logps = self.ref.compute_logps(samples, temperature)
-            samples = [dict(s, ref_logps=lp) for s, lp in zip(samples, ref_logps)]
-        if self.critic is not None:
-            with timed(timings, "values"):
-                values = self.critic.compute_values(samples)
-            samples = [dict(s, values=v) for s, v in zip(samples, values)]
-        kl_reward = cfg.kl.coef > 0 and cfg.kl.type == "reward"
-        # Old log-probs are only needed when the policy moves before a sample is used (several
-        # mini-batches), for TIS, or for a KL penalty in the reward; else the ratio is exactly 1.
-        a = cfg.actor
-        if a.update_per_rollout > 1 or a.update_epochs > 1 or a.tis_coef or kl_reward or a.strict_on_policy:
-            with timed(timings, "old_logps"):
-                old = self.actor.compute_logps(samples, temperature)
-            samples = [dict(s, old_logps=lp) for s, lp in zip(samples, old)]
-            metrics["rollout/engine_kl"] = engine_kl(samples)
-            if a.strict_on_policy:
-                check_engine_logps(samples, step, a.on_policy_tol)
+        samples = self.score(step, samples, metrics, timings)
         with timed(timings, "advantages"):
             samples, adv_metrics = compute_advantages(samples, owner, len(trajectories), len(groups),
                                                       cfg.adv, cfg.kl)
         metrics.update(adv_metrics)
-
         with timed(timings, "update"):
             if self.critic is not None:
                 critic_metrics = critic_update(self.critic, samples, cfg.critic,
@@ -234,24 +269,99 @@ class PPOTrainer(Trainer):
                                              derive_seed(cfg.trainer.seed, "minibatch", step), step=step)
                 metrics.update({f"actor/{k}": v for k, v in actor_metrics.items()})
         with timed(timings, "sync"):
-            metrics.update(self.sync_weights())
+            metrics.update(self.sync_weights(step))
         timings["time/step"] = sum(timings.values())
         tokens = {f"train/{k}": v for k, v in token_metrics(samples).items()}
         tokens["train/tokens_per_s"] = tokens["train/tokens"] / timings["time/step"]
         return {**metrics, **tokens, **timings}
 
-    def sync_weights(self) -> dict:
-        """Trainer shards -> the engine; its metrics (seconds, bytes) under sync/."""
+    def score(self, step: int, samples: list[dict], metrics: dict, timings: dict) -> list[dict]:
+        """Reference log-probs, values, old log-probs and off-policy weights of the samples."""
+        cfg, a = self.cfg, self.cfg.actor
+        temperature = cfg.actor.rollout.train_sampling_params.temperature or 1.0
+        if self.ref is not None:
+            with timed(timings, "ref_logps"):
+                ref_logps = self.ref.compute_logps(samples, temperature)
+            samples = [dict(s, ref_logps=lp) for s, lp in zip(samples, ref_logps)]
+        if self.critic is not None:
+            with timed(timings, "values"):
+                values = self.critic.compute_values(samples)
+            samples = [dict(s, values=v) for s, v in zip(samples, values)]
+        kl_reward = cfg.kl.coef > 0 and cfg.kl.type == "reward"
+        # Old log-probs are only needed when the policy moves before a sample is used (several
+        # mini-batches), for IS corrections, stale samples, or a KL penalty in the reward; else
+        # the ratio is exactly 1.
+        if (a.update_per_rollout > 1 or a.update_epochs > 1 or a.tis_coef or kl_reward or a.strict_on_policy
+                or a.is_correction or self.async_k):
+            with timed(timings, "old_logps"):
+                old = self.actor.compute_logps(samples, temperature)
+            samples = [dict(s, old_logps=lp) for s, lp in zip(samples, old)]
+            metrics["rollout/engine_kl"] = engine_kl(samples)
+            if a.strict_on_policy:
+                check_engine_logps(samples, step, a.on_policy_tol)
+            if a.is_correction:
+                samples, is_metrics = apply_correction(samples, a.is_correction, a.is_low, a.is_high)
+                metrics.update(is_metrics)
+        return samples
+
+    def sync_weights(self, step: int) -> dict:
+        """Trainer shards -> the engine (synchronous) or a snapshot published to the producer as
+        version step + 1; its metrics (seconds, bytes) under sync/."""
+        if self.async_k:
+            start = time.perf_counter()
+            weights = self.rollout.snapshot(self.actor.model)
+            if self.producer is not None:
+                self.producer.publish(step + 1, weights)
+            return {"sync/seconds": time.perf_counter() - start}
         return {f"sync/{k.removeprefix('sync_')}": v for k, v in self.rollout.sync(self.actor.model).items()}
+
+    # ----- asynchronous rollout: evaluation and checkpoints with the producer parked -----
+    def save(self, step: int):
+        if self.producer is None:
+            return super().save(step)
+        self.producer.quiesce()
+        try:
+            super().save(step)
+        finally:
+            self.producer.resume()
+
+    def checkpoint_extras(self) -> dict:
+        """The generated, untrained batches (every prompt buffered or in flight: in-flight
+        batches are finished by `quiesce` first), so a resumed run trains each prompt once."""
+        if self.producer is None:
+            return {}
+        return {BUFFER_FILE: {"batches": self.producer.buffered()}}
+
+    def maybe_resume(self):
+        super().maybe_resume()
+        src = self.cfg.trainer.load_ckpt_from
+        if src and self.async_k:
+            path = os.path.join(checkpoint.resolve_ckpt(src, self.run_dir), BUFFER_FILE)
+            if os.path.exists(path):
+                self.buffered = torch.load(path, weights_only=False)["batches"]
+                logger.info(f"resumed {len(self.buffered)} buffered rollout batches: steps "
+                            f"{sorted(b + 1 for b in self.buffered)}")
 
     def evaluate(self) -> dict:
         if not self.test_prompts:
             return {}
+        if self.producer is not None:  # the newest weights, the loop and the rollout group to us
+            self.producer.quiesce()
+            self.producer.load_newest()
+            try:
+                return self._evaluate()
+            finally:
+                self.producer.resume()
+        return self._evaluate()
+
+    def _evaluate(self) -> dict:
         _, metrics = self.rollout.run(lambda k: self.test_prompts, self.step, train=False,
                                       dump_path=self.dump_path(f"test_step{self.step}"))
         return {f"test/{k}": v for k, v in metrics.items()}
 
     def close(self):
+        if self.producer is not None:
+            self.producer.stop()
         self.rollout.shutdown()
         super().close()
 

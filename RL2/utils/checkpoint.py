@@ -76,9 +76,10 @@ def resolve_ckpt(path: str, run_dir: str) -> str:
 
 
 def save_checkpoint(run_dir: str, step: int, workers: dict, tokenizer, trainer_state: dict,
-                    keep_last: int | None = None):
+                    keep_last: int | None = None, extra_files: dict | None = None):
     """Collective: every rank calls it. `workers` maps a name to a trained Worker; the first is
-    written as the step directory's HF model, the others as HF models in `<name>/`."""
+    written as the step directory's HF model, the others as HF models in `<name>/`.
+    `extra_files`: {file name: object} written by rank 0 with torch.save (e.g. rollout buffers)."""
     hf_worker = next(iter(workers))
     final = os.path.join(run_dir, f"step{step}")
     tmp = final + ".tmp"
@@ -99,6 +100,8 @@ def save_checkpoint(run_dir: str, step: int, workers: dict, tokenizer, trainer_s
                      schedulers={n: w.scheduler.state_dict() for n, w in workers.items()})
         with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
             json.dump(state, f)
+        for name, obj in (extra_files or {}).items():
+            torch.save(obj, os.path.join(tmp, name))
     dist.barrier()
     if rank == 0:
         shutil.rmtree(final, ignore_errors=True)

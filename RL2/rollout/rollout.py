@@ -30,8 +30,14 @@ def engine_kwargs(kind: str, cfg, rank: int, seed: int = 0) -> dict:
         return dict(tp_size=cfg.tp_size, base_gpu_id=rank % max(1, torch.cuda.device_count()),
                     bucket_bytes=int(cfg.bucket_mb * 2**20), **dict(cfg.sglang))
     if kind == "vllm":
-        return dict(max_model_len=cfg.max_model_len or cfg.max_length, bucket_mb=cfg.bucket_mb,
-                    seed=seed, **dict(cfg.vllm))
+        kw = dict(max_model_len=cfg.max_model_len or cfg.max_length, bucket_mb=cfg.bucket_mb,
+                  seed=seed, **dict(cfg.vllm))
+        if torch.cuda.is_available() and not kw.get("server_url"):
+            # CUDA (NOT RUN): the group's engine is tensor parallel over the group's own GPUs;
+            # on CPU the group shares one single-worker engine
+            base = rank % max(1, torch.cuda.device_count())
+            kw.update(tp_size=cfg.tp_size, device_ids=list(range(base, base + cfg.tp_size)))
+        return kw
     return dict(max_model_len=cfg.max_model_len) if cfg.max_model_len else {}
 
 

@@ -128,14 +128,41 @@ class _VLLMBase(Engine):
         self._run(self._update(named_tensors))
 
 
+def engine_args(model_path: str, *, cuda: bool, dtype: str, max_model_len: int, tp_size: int,
+                seed: int, kv_cache_mb: int, device_ids: list[int] | None = None,
+                **extra) -> dict:
+    """Keyword arguments of vLLM 0.32's `AsyncEngineArgs` (vllm/engine/arg_utils.py).
+    CUDA (NOT RUN): `tensor_parallel_size` = the rollout group's size, and `device_ids` (indices
+    into CUDA_VISIBLE_DEVICES, resolved by `EngineArgs._resolve_device_ids` into the parallel
+    config's `assigned_physical_gpu_ids`, from which each of vLLM's workers picks its GPU in
+    `gpu_worker.init_device`) = the group's own GPUs, so group g's engine shares the GPUs its
+    ranks train on instead of all groups piling onto GPUs 0..tp-1."""
+    args = dict(model=model_path, dtype=dtype, max_model_len=max_model_len,
+                tensor_parallel_size=tp_size, seed=seed, enforce_eager=not cuda,
+                logprobs_mode="processed_logprobs", enable_sleep_mode=cuda,
+                weight_transfer_config={"backend": "nccl" if cuda else BACKEND})
+    if cuda and device_ids is not None:
+        args["device_ids"] = [int(i) for i in device_ids]
+    if not cuda:
+        args["kv_cache_memory_bytes"] = kv_cache_mb << 20
+        # vLLM 0.32's CPU worker crashes ("CPU Generator does not use offset") when a seeded
+        # request's prefill is split over steps (gpu_model_runner rewinds the generator of a
+        # discarded sample): admit prompts whole.
+        args.update(enable_chunked_prefill=False,
+                    max_num_batched_tokens=max(int(max_model_len), 8192))
+    args.update(extra)
+    return args
+
+
 class VLLMEngine(_VLLMBase):
     def __init__(self, model_path: str, tokenizer=None, *, dtype: str | None = None,
                  max_model_len: int = 2048, tp_size: int = 1, kv_cache_mb: int = 256,
                  bucket_mb: float = 512, timeout_s: float = 600.0, seed: int = 0,
-                 ignore_eos: bool = False, **engine_args):
+                 ignore_eos: bool = False, device_ids: list[int] | None = None, **extra):
         """Extra keyword arguments go to vLLM's `AsyncEngineArgs`. `kv_cache_mb` bounds the
         KV cache (CPU; on CUDA pass gpu_memory_utilization instead). `ignore_eos`: only stop
-        ids/strings and lengths end a response (benchmarks)."""
+        ids/strings and lengths end a response (benchmarks). `tp_size`/`device_ids`: CUDA only
+        (see `engine_args`)."""
         try:
             from vllm.engine.arg_utils import AsyncEngineArgs
             from vllm.v1.engine.async_llm import AsyncLLM
@@ -145,18 +172,9 @@ class VLLMEngine(_VLLMBase):
         dtype = dtype or ("bfloat16" if cuda else "float32")
         self._setup(tokenizer, max_model_len, dtype, bucket_mb, timeout_s)
         self.n_workers, self.ignore_eos = tp_size, ignore_eos
-        args = dict(model=model_path, dtype=dtype, max_model_len=max_model_len,
-                    tensor_parallel_size=tp_size, seed=seed, enforce_eager=not cuda,
-                    logprobs_mode="processed_logprobs", enable_sleep_mode=cuda,
-                    weight_transfer_config={"backend": "nccl" if cuda else BACKEND})
-        if not cuda:
-            args["kv_cache_memory_bytes"] = kv_cache_mb << 20
-            # vLLM 0.32's CPU worker crashes ("CPU Generator does not use offset") when a seeded
-            # request's prefill is split over steps (gpu_model_runner rewinds the generator of a
-            # discarded sample): admit prompts whole.
-            args.update(enable_chunked_prefill=False,
-                        max_num_batched_tokens=max(int(max_model_len), 8192))
-        args.update(engine_args)
+        args = engine_args(model_path, cuda=cuda, dtype=dtype, max_model_len=max_model_len,
+                           tp_size=tp_size, seed=seed, kv_cache_mb=kv_cache_mb,
+                           device_ids=device_ids, **extra)
 
         async def build():  # inside the loop: AsyncLLM binds its output handler to it
             return AsyncLLM.from_engine_args(AsyncEngineArgs(**args))

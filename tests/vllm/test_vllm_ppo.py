@@ -2,10 +2,10 @@
 over both ranks, the rollout group spans them (rollout.tp_size=2) and its leader holds one vLLM
 engine, so every step's weights travel FSDP2 shards -> full tensors -> rl2_gloo -> vLLM.
 - The recipe of tests/test_ppo_e2e.py (warm start on the systematic-mistake SFT set, RL lr 2e-3,
-  30 steps), on a head_dim-32 model (vLLM's CPU attention): the engine's log-probs equal the
+  8 steps; 30 when the rise was measured), on a head_dim-32 model (vLLM's CPU attention): the engine's log-probs equal the
   trainer's on the same tokens at every step (engine_kl).
-- Resume: a second process started from the straight run's step-28 checkpoint (a new vLLM engine,
-  the checkpoint's weights synced into it) repeats steps 29-30: same trajectories, same losses.
+- Resume: a second process started from the straight run's step-6 checkpoint (a new vLLM engine,
+  the checkpoint's weights synced into it) repeats steps 7-8: same trajectories, same losses.
 
 The reward rise is NOT asserted: the e2e recipe raises the reward (+0.20) on e2e's hidden-64 /
 4-head model (head_dim 16, which vLLM's CPU attention rejects), but on head_dim-32 shapes it does
@@ -24,7 +24,7 @@ from tests.run_utils import read_metrics, run_trainer
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 ANSWER_MATCH = str(Path(__file__).resolve().parents[2] / "envs" / "answer_match.py")
-STEPS, SAVED = 30, 28
+STEPS, SAVED = 8, 6  # no reward rise is asserted, so a short run does
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +78,7 @@ def test_grpo_with_the_vllm_engine_keeps_engine_and_trainer_equal(straight):
 
 
 def test_resume_from_a_checkpoint_repeats_the_straight_run(warm_start, straight, tmp_path):
-    """A new process (new vLLM engine) from step 28's checkpoint: steps 29-30 sample the same
+    """A new process (new vLLM engine) from step 6's checkpoint: steps 7-8 sample the same
     tokens (vLLM's per-request seeds, derived from (seed, step, prompt, sample) as in every RL2
     engine) and give the same losses."""
     run_trainer("ppo", 2, ppo_args(warm_start, f"trainer.load_ckpt_from={straight / 'run' / f'step{SAVED}'}"),

@@ -1,0 +1,214 @@
+"""RL2 vs TRL side by side on TRL's own workloads (issue 20), in one invocation.
+
+    python -m benchmarks.bench_vs_trl [--quick] [--repeats 3] [--only sft dpo grpo] [--no-trl]
+
+Same model (Qwen2 from a config: hidden 512, 8 layers, 8/4 heads, vocab 2048, 25.7M params; no
+download), same rows (benchmarks/vs_trl_data.py), same settings (fp32, AdamW lr 1e-5, clip 1.0):
+- SFT: ~1020 tokens/step, packed (TRL: BFD packing into 1024-token rows, batch 1; RL2: the same
+  sequences grouped by best-fit decreasing into <= 1024 tokens per step);
+- DPO: 4 pairs/step, beta 0.1, the reference model run live every step;
+- GRPO: 4 prompts x 4 samples x 64 new tokens, temperature 1, no KL, one update per rollout
+  (TRL GRPOTrainer with HF generate; RL2.trainer.ppo with its embedded engine); the rollout
+  (generation + rewards) and the update are timed separately.
+TRL runs in one process with 2 threads; RL2 as 1 process x 2 threads and 2 processes x 1 thread
+(torchrun). Each figure is the median over `--repeats` steps after one warm-up step, wall clock.
+Every figure is also given as a fraction of the fp32 matmul peak measured with 2 threads in this
+run (FLOPs: 6N per trained token, 2N per reference/generation token, N = parameters): what a
+library reaches out of what the machine can do. TRL is optional: without it, its column says so.
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+from benchmarks.common import machine_description, matmul_peak, median, table
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.join(REPO, "benchmarks")
+WORKLOADS = ("sft", "dpo", "grpo")
+RL2_LAYOUTS = (("RL2 1x2", 1, 2), ("RL2 2x1", 2, 1))
+ENV = '''async def step(state, action, extra_info):
+    reward = float(len(action) % 2)  # the TRL reward function of vs_trl_trl.py
+    return {"next_state": None, "reward": reward, "score": reward, "done": True}
+'''
+
+
+def trl_available() -> bool:
+    try:
+        import trl  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _run(cmd, threads: int, timeout: float, cwd: str):
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false",
+               WANDB_MODE="offline", PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=cwd, timeout=timeout)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd[:6])} ... failed:\n{proc.stderr[-2000:]}")
+
+
+def _torchrun(nproc: int) -> list[str]:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+            "--master_addr=127.0.0.1", f"--master_port={port}"]
+
+
+def _load(path: str) -> list[dict]:
+    with open(path) as f:
+        return json.load(f)["steps"]
+
+
+def run_trl(workload: str, root: str, args) -> list[dict]:
+    out = os.path.join(root, f"trl_{workload}.json")
+    _run([sys.executable, os.path.join(HERE, "vs_trl_trl.py"), "--workload", workload,
+          "--assets", root, "--steps", str(args.repeats + 1), "--threads", "2",
+          "--new-tokens", str(args.new_tokens), "--out", out], 2, args.timeout, root)
+    return _load(out)
+
+
+def run_rl2(workload: str, root: str, nproc: int, threads: int, args) -> list[dict]:
+    out = os.path.join(root, f"rl2_{workload}_{nproc}.json")
+    if workload != "grpo":
+        _run(_torchrun(nproc) + [os.path.join(HERE, "vs_trl_rl2.py"), "--workload", workload,
+                                 "--assets", root, "--steps", str(args.repeats + 1),
+                                 "--threads", str(threads), "--out", out], threads, args.timeout, root)
+        return _load(out)
+    env_path = os.path.join(root, "parity_env.py")
+    with open(env_path, "w") as f:
+        f.write(ENV)
+    run_dir = tempfile.mkdtemp(dir=root, prefix=f"ppo_{nproc}_")
+    _run(_torchrun(nproc) + [
+        "-m", "RL2.trainer.ppo", f"actor.model_name={root}/model", f"data.train.path={root}/grpo.jsonl",
+        "data.train.apply_chat_template=false", f"actor.rollout.env_path={env_path}",
+        "actor.rollout.env_workers=0", f"trainer.save_dir={run_dir}", "trainer.experiment_name=run",
+        "trainer.device=cpu", f"trainer.total_steps={args.repeats + 1}", "trainer.test_at_start=false",
+        "actor.rollout.prompts_per_rollout=4", "actor.rollout.responses_per_prompt=4",
+        f"actor.rollout.train_sampling_params.max_new_tokens={args.new_tokens}",
+        "actor.rollout.dump_rollouts=false", "kl.coef=0", "adv.norm_var=true", "actor.lr=1e-5",
+        "actor.max_grad_norm=1.0"], threads, args.timeout, run_dir)
+    with open(os.path.join(run_dir, "run", "metrics.jsonl")) as f:
+        rows = [r for r in map(json.loads, f) if "time/step" in r]
+    return [{"time": r["time/step"], "generation": r["time/rollout"], "update": r["time/update"],
+             "generated_tokens": r["rollout/train_tokens"], "tokens": r["train/tokens"]} for r in rows]
+
+
+def summarize(workload: str, steps: list[dict], n_params: int) -> dict:
+    """Medians over the steps after the warm-up, and the FLOP rate of each figure."""
+    steps = steps[1:] or steps
+    m = lambda f: median([f(s) for s in steps])  # noqa: E731
+    flop_per_token = {"sft": 6, "dpo": 8, "grpo": 8}[workload] * n_params  # DPO: + reference fwd
+    out = {"tokens/s": m(lambda s: s["tokens"] / s["time"]), "s/step": m(lambda s: s["time"]),
+           "flop/s": m(lambda s: flop_per_token * s["tokens"] / s["time"])}
+    if workload == "grpo":
+        gen = lambda s: s["generation"]  # noqa: E731
+        upd = lambda s: s.get("update", s["time"] - s["generation"])  # noqa: E731
+        out.update({
+            "gen tokens/s": m(lambda s: s["generated_tokens"] / gen(s)),
+            "gen flop/s": m(lambda s: 2 * n_params * s["tokens"] / gen(s)),
+            "update s": m(upd), "update flop/s": m(lambda s: 6 * n_params * s["tokens"] / upd(s)),
+            "update s/1k tokens": m(lambda s: 1000 * upd(s) / s["tokens"])})
+    return out
+
+
+FIGURES = {  # workload -> (label, key, higher is better)
+    "sft": [("SFT ~1020 tokens/step packed: tokens/s", "tokens/s", "flop/s", True)],
+    "dpo": [("DPO 4 pairs/step, live reference: tokens/s", "tokens/s", "flop/s", True)],
+    "grpo": [("GRPO 4x4x64, no KL: s/step", "s/step", "flop/s", False),
+             ("  generation: generated tokens/s", "gen tokens/s", "gen flop/s", True),
+             ("  policy update: s/step", "update s", "update flop/s", False),
+             ("  policy update: s per 1k tokens", "update s/1k tokens", "update flop/s", False)],
+}
+
+
+def ratio_table(results: dict, peak: float, columns: list[str]) -> str:
+    """One row per figure: each column's value, its fraction of peak and its speed-up over TRL."""
+    rows = []
+    for workload, figures in FIGURES.items():
+        if workload not in results:
+            continue
+        for label, key, flop_key, higher in figures:
+            row, base = [label], results[workload].get("TRL")
+            for col in columns:
+                r = results[workload].get(col)
+                if r is None:
+                    row.append("skipped")
+                    continue
+                cell = f"{r[key]:.3g} ({100 * r[flop_key] / peak:.0f}% peak)"
+                if base is not None and col != "TRL":
+                    speedup = r[key] / base[key] if higher else base[key] / r[key]
+                    cell += f" **{speedup:.2f}x**"
+                row.append(cell)
+            rows.append(row)
+    return table(["workload"] + columns, rows)
+
+
+def run(args) -> str:
+    import torch
+
+    from benchmarks.vs_trl_data import FULL_MODEL, QUICK_MODEL, build_assets
+
+    torch.set_num_threads(2)
+    with_trl = trl_available() and not args.no_trl
+    columns = ["TRL"] + [name for name, _, _ in RL2_LAYOUTS]
+    results, peaks, notes = {}, [], []
+    if not with_trl:
+        notes.append("TRL skipped: " + ("--no-trl" if args.no_trl else
+                                         "`trl` is not installed (pip install trl to compare)"))
+    with tempfile.TemporaryDirectory() as root:
+        spec = QUICK_MODEL if args.quick else FULL_MODEL
+        build_assets(root, spec)
+        from transformers import AutoModelForCausalLM
+
+        from benchmarks.common import params_of
+        n_params = params_of(AutoModelForCausalLM.from_pretrained(os.path.join(root, "model")))
+        start = time.perf_counter()
+        for workload in args.only:
+            peaks.append(matmul_peak("cpu", torch.float32, repeats=3))  # follows the load
+            results[workload] = {}
+            if with_trl:
+                results[workload]["TRL"] = summarize(workload, run_trl(workload, root, args), n_params)
+            for name, nproc, threads in RL2_LAYOUTS:
+                steps = run_rl2(workload, root, nproc, threads, args)
+                results[workload][name] = summarize(workload, steps, n_params)
+        elapsed = time.perf_counter() - start
+    peak = median(peaks)
+    head = (f"### RL2 vs TRL ({machine_description('cpu', 2)}; model {n_params / 1e6:.1f}M params; "
+            f"fp32; matmul peak {peak / 1e9:.0f} GFLOP/s with 2 threads (median of {len(peaks)} "
+            f"measurements in this run); medians of {args.repeats} steps after 1 warm-up; "
+            f"{elapsed:.0f} s)")
+    legend = ("Each cell: the figure (% of the matmul peak: 6N FLOP per trained token, +2N per "
+              "reference or generation token) **speed-up over TRL** (>1 = RL2 faster). TRL runs in "
+              "one process with 2 threads; `RL2 PxT` = P torchrun processes x T threads each.")
+    return "\n\n".join([head, ratio_table(results, peak, columns), legend] + notes
+                       + ["```json\n" + json.dumps({"peak": peak, "results": results}) + "\n```"])
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="tiny model, 1 measured step (smoke test)")
+    p.add_argument("--repeats", type=int, default=None, help="measured steps (default 3, quick 1)")
+    p.add_argument("--only", nargs="*", choices=WORKLOADS, default=list(WORKLOADS))
+    p.add_argument("--no-trl", action="store_true", help="skip TRL even when it is installed")
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--timeout", type=float, default=1800)
+    args = p.parse_args(argv)
+    if args.repeats is None:
+        args.repeats = 1 if args.quick else 3
+    return args
+
+
+def main(argv=None):
+    print(run(parse_args(argv)))
+
+
+if __name__ == "__main__":
+    main()

@@ -11,9 +11,10 @@ download), same rows (benchmarks/vs_trl_data.py), same settings (fp32, AdamW lr 
   (TRL GRPOTrainer with HF generate; RL2.trainer.ppo with its embedded engine); the rollout
   (generation + rewards) and the update are timed separately.
 TRL runs in one process with 2 threads; RL2 as 1 process x 2 threads and 2 processes x 1 thread
-(torchrun). Each figure is the median over `--repeats` steps after one warm-up step, wall clock.
-Every figure is also given as a fraction of the fp32 matmul peak measured with 2 threads in this
-run (FLOPs: 6N per trained token, 2N per reference/generation token, N = parameters): what a
+(torchrun). On a loaded machine two OpenMP threads in one process can run far slower than one
+(they wait for each other at every op): `--threads 1` compares TRL and RL2 1x1 (plus RL2 2x1). Each figure is the median over `--repeats` steps after one warm-up step, wall clock.
+Every figure is also given as a fraction of the fp32 matmul peak measured in this run on the
+cores the configuration uses (FLOPs: 6N per trained token, 2N per reference/generation token, N = parameters): what a
 library reaches out of what the machine can do. TRL is optional: without it, its column says so.
 """
 import argparse
@@ -29,7 +30,11 @@ from benchmarks.common import machine_description, matmul_peak, median, table
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HERE = os.path.join(REPO, "benchmarks")
 WORKLOADS = ("sft", "dpo", "grpo")
-RL2_LAYOUTS = (("RL2 1x2", 1, 2), ("RL2 2x1", 2, 1))
+
+
+def layouts(threads: int) -> list[tuple[str, int, int]]:
+    """(column, processes, threads per process) of RL2's runs; TRL uses one process x threads."""
+    return [(f"RL2 1x{threads}", 1, threads), ("RL2 2x1", 2, 1)]
 ENV = '''async def step(state, action, extra_info):
     reward = float(len(action) % 2)  # the TRL reward function of vs_trl_trl.py
     return {"next_state": None, "reward": reward, "score": reward, "done": True}
@@ -70,8 +75,8 @@ def _load(path: str) -> list[dict]:
 def run_trl(workload: str, root: str, args) -> list[dict]:
     out = os.path.join(root, f"trl_{workload}.json")
     _run([sys.executable, os.path.join(HERE, "vs_trl_trl.py"), "--workload", workload,
-          "--assets", root, "--steps", str(args.repeats + 1), "--threads", "2",
-          "--new-tokens", str(args.new_tokens), "--out", out], 2, args.timeout, root)
+          "--assets", root, "--steps", str(args.repeats + 1), "--threads", str(args.threads),
+          "--new-tokens", str(args.new_tokens), "--out", out], args.threads, args.timeout, root)
     return _load(out)
 
 
@@ -129,8 +134,9 @@ FIGURES = {  # workload -> (label, key, higher is better)
 }
 
 
-def ratio_table(results: dict, peak: float, columns: list[str]) -> str:
-    """One row per figure: each column's value, its fraction of peak and its speed-up over TRL."""
+def ratio_table(results: dict, peaks: dict, columns: list[str]) -> str:
+    """One row per figure: each column's value, its fraction of the peak of the cores that
+    column uses (`peaks[column]`) and its speed-up over TRL."""
     rows = []
     for workload, figures in FIGURES.items():
         if workload not in results:
@@ -142,7 +148,7 @@ def ratio_table(results: dict, peak: float, columns: list[str]) -> str:
                 if r is None:
                     row.append("skipped")
                     continue
-                cell = f"{r[key]:.3g} ({100 * r[flop_key] / peak:.0f}% peak)"
+                cell = f"{r[key]:.3g} ({100 * r[flop_key] / peaks[col]:.0f}% peak)"
                 if base is not None and col != "TRL":
                     speedup = r[key] / base[key] if higher else base[key] / r[key]
                     cell += f" **{speedup:.2f}x**"
@@ -156,10 +162,9 @@ def run(args) -> str:
 
     from benchmarks.vs_trl_data import FULL_MODEL, QUICK_MODEL, build_assets
 
-    torch.set_num_threads(2)
     with_trl = trl_available() and not args.no_trl
-    columns = ["TRL"] + [name for name, _, _ in RL2_LAYOUTS]
-    results, peaks, notes = {}, [], []
+    columns = ["TRL"] + [name for name, _, _ in layouts(args.threads)]
+    results, peaks, notes = {}, {1: [], args.threads: []}, []
     if not with_trl:
         notes.append("TRL skipped: " + ("--no-trl" if args.no_trl else
                                          "`trl` is not installed (pip install trl to compare)"))
@@ -172,24 +177,31 @@ def run(args) -> str:
         n_params = params_of(AutoModelForCausalLM.from_pretrained(os.path.join(root, "model")))
         start = time.perf_counter()
         for workload in args.only:
-            peaks.append(matmul_peak("cpu", torch.float32, repeats=3))  # follows the load
+            for t in peaks:  # measured before every workload: follows the machine's load
+                torch.set_num_threads(t)
+                peaks[t].append(matmul_peak("cpu", torch.float32, repeats=3))
             results[workload] = {}
             if with_trl:
                 results[workload]["TRL"] = summarize(workload, run_trl(workload, root, args), n_params)
-            for name, nproc, threads in RL2_LAYOUTS:
+            for name, nproc, threads in layouts(args.threads):
                 steps = run_rl2(workload, root, nproc, threads, args)
                 results[workload][name] = summarize(workload, steps, n_params)
         elapsed = time.perf_counter() - start
-    peak = median(peaks)
-    head = (f"### RL2 vs TRL ({machine_description('cpu', 2)}; model {n_params / 1e6:.1f}M params; "
-            f"fp32; matmul peak {peak / 1e9:.0f} GFLOP/s with 2 threads (median of {len(peaks)} "
+    peak = {t: median(v) for t, v in peaks.items()}
+    # A column's peak: the matmul rate of the cores it uses (2 x 1 = two one-thread processes).
+    col_peak = {c: peak[args.threads] for c in columns}
+    col_peak["RL2 2x1"] = 2 * peak[1]
+    head = (f"### RL2 vs TRL ({machine_description('cpu', args.threads)}; model {n_params / 1e6:.1f}M "
+            f"params; fp32; matmul peak {peak[1] / 1e9:.0f} GFLOP/s with 1 thread, "
+            f"{peak[args.threads] / 1e9:.0f} with {args.threads} (medians of {len(args.only)} "
             f"measurements in this run); medians of {args.repeats} steps after 1 warm-up; "
             f"{elapsed:.0f} s)")
     legend = ("Each cell: the figure (% of the matmul peak: 6N FLOP per trained token, +2N per "
               "reference or generation token) **speed-up over TRL** (>1 = RL2 faster). TRL runs in "
-              "one process with 2 threads; `RL2 PxT` = P torchrun processes x T threads each.")
-    return "\n\n".join([head, ratio_table(results, peak, columns), legend] + notes
-                       + ["```json\n" + json.dumps({"peak": peak, "results": results}) + "\n```"])
+              f"one process with {args.threads} thread(s); `RL2 PxT` = P torchrun processes x T threads each; "
+              "a column's peak is that of the cores it uses (2x1: twice the 1-thread peak).")
+    return "\n\n".join([head, ratio_table(results, col_peak, columns), legend] + notes
+                       + ["```json\n" + json.dumps({"peak": col_peak, "results": results}) + "\n```"])
 
 
 def parse_args(argv=None):
@@ -198,11 +210,15 @@ def parse_args(argv=None):
     p.add_argument("--repeats", type=int, default=None, help="measured steps (default 3, quick 1)")
     p.add_argument("--only", nargs="*", choices=WORKLOADS, default=list(WORKLOADS))
     p.add_argument("--no-trl", action="store_true", help="skip TRL even when it is installed")
-    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--threads", type=int, default=2,
+                   help="threads of TRL's process and of RL2's one-process run (the issue: 2)")
+    p.add_argument("--new-tokens", type=int, default=None, help="GRPO tokens per sample (64; quick 16)")
     p.add_argument("--timeout", type=float, default=1800)
     args = p.parse_args(argv)
     if args.repeats is None:
         args.repeats = 1 if args.quick else 3
+    if args.new_tokens is None:
+        args.new_tokens = 16 if args.quick else 64
     return args
 
 

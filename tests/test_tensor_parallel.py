@@ -219,6 +219,9 @@ def test_logps_and_entropy_plain_tensor(monkeypatch, chunk, temperature):
     torch.autograd.gradcheck(
         lambda x: logps_and_entropy(x, labels, temperature, need_entropy=True), (logits,))
     torch.autograd.gradcheck(lambda x: logps_and_entropy(x, labels, temperature)[0], (logits,))
+    # the entropy computed as a metric only (PPO with entropy_coef 0): its grad arrives as None
+    torch.autograd.gradcheck(
+        lambda x: logps_and_entropy(x, labels, temperature, need_entropy=True)[0], (logits,))
     # only the entropy's gradient (the logps output unused)
     torch.autograd.gradcheck(
         lambda x: logps_and_entropy(x, labels, temperature, need_entropy=True)[1], (logits,))

@@ -88,7 +88,8 @@ class _VocabParallelLogps(torch.autograd.Function):
             sums[1, sl] = torch.where(in_shard[sl], label_z, 0)
             if need_entropy:  # local entropy H_r = -sum p (z - l_r), p = exp(z - l_r): small terms
                 d = z - local_lse[sl, None]
-                sums[2, sl] = -(d.exp() * d).sum(-1)
+                p = d.exp()
+                sums[2, sl] = -p.mul_(d).sum(-1)  # in place: one chunk-sized temporary less
         group_max = local_lse.clone()
         _all_reduce(group_max, dist.ReduceOp.MAX, group)
         sums[0] = (local_lse - group_max).exp()
@@ -101,6 +102,9 @@ class _VocabParallelLogps(torch.autograd.Function):
         entropy = sums[2] / sums[0] + sums[0].log() if need_entropy else torch.zeros_like(lse)
         ctx.save_for_backward(local, local_idx, in_shard, lse, entropy)
         ctx.scale, ctx.rows, ctx.need_entropy = scale, rows, need_entropy
+        # An output the loss does not use (the entropy when it is only a metric) then reaches
+        # backward as None instead of a zero tensor, and its gradient term is skipped.
+        ctx.set_materialize_grads(False)
         if not need_entropy:
             ctx.mark_non_differentiable(entropy)
         return logps, entropy

@@ -35,10 +35,6 @@ WORKLOADS = ("sft", "dpo", "grpo")
 def layouts(threads: int) -> list[tuple[str, int, int]]:
     """(column, processes, threads per process) of RL2's runs; TRL uses one process x threads."""
     return [(f"RL2 1x{threads}", 1, threads), ("RL2 2x1", 2, 1)]
-ENV = '''async def step(state, action, extra_info):
-    reward = float(len(action) % 2)  # the TRL reward function of vs_trl_trl.py
-    return {"next_state": None, "reward": reward, "score": reward, "done": True}
-'''
 
 
 def trl_available() -> bool:
@@ -82,40 +78,27 @@ def run_trl(workload: str, root: str, args) -> list[dict]:
 
 def run_rl2(workload: str, root: str, nproc: int, threads: int, args) -> list[dict]:
     out = os.path.join(root, f"rl2_{workload}_{nproc}.json")
-    if workload != "grpo":
-        _run(_torchrun(nproc) + [os.path.join(HERE, "vs_trl_rl2.py"), "--workload", workload,
-                                 "--assets", root, "--steps", str(args.repeats + 1),
-                                 "--threads", str(threads), "--out", out], threads, args.timeout, root)
-        return _load(out)
-    env_path = os.path.join(root, "parity_env.py")
-    with open(env_path, "w") as f:
-        f.write(ENV)
-    run_dir = tempfile.mkdtemp(dir=root, prefix=f"ppo_{nproc}_")
-    _run(_torchrun(nproc) + [
-        "-m", "RL2.trainer.ppo", f"actor.model_name={root}/model", f"data.train.path={root}/grpo.jsonl",
-        "data.train.apply_chat_template=false", f"actor.rollout.env_path={env_path}",
-        "actor.rollout.env_workers=0", f"trainer.save_dir={run_dir}", "trainer.experiment_name=run",
-        "trainer.device=cpu", f"trainer.total_steps={args.repeats + 1}", "trainer.test_at_start=false",
-        "actor.rollout.prompts_per_rollout=4", "actor.rollout.responses_per_prompt=4",
-        f"actor.rollout.train_sampling_params.max_new_tokens={args.new_tokens}",
-        "actor.rollout.dump_rollouts=false", "kl.coef=0", "adv.norm_var=true", "actor.lr=1e-5",
-        "actor.max_grad_norm=1.0"], threads, args.timeout, run_dir)
-    with open(os.path.join(run_dir, "run", "metrics.jsonl")) as f:
-        rows = [r for r in map(json.loads, f) if "time/step" in r]
-    return [{"time": r["time/step"], "generation": r["time/rollout"], "update": r["time/update"],
-             "generated_tokens": r["rollout/train_tokens"], "tokens": r["train/tokens"]} for r in rows]
+    _run(_torchrun(nproc) + [os.path.join(HERE, "vs_trl_rl2.py"), "--workload", workload,
+                             "--assets", root, "--steps", str(args.repeats + 1),
+                             "--threads", str(threads), "--new-tokens", str(args.new_tokens),
+                             "--out", out], threads, args.timeout, root)
+    return _load(out)
 
 
-def summarize(workload: str, steps: list[dict], n_params: int) -> dict:
-    """Medians over the steps after the warm-up, and the FLOP rate of each figure."""
+def summarize(workload: str, steps: list[dict], n_params: int, clock: str = "wall") -> dict:
+    """Medians over the steps after the warm-up, and the FLOP rate of each figure, in wall-clock
+    (`clock="wall"`) or process CPU seconds (`"cpu"`)."""
     steps = steps[1:] or steps
+    suffix = "_cpu" if clock == "cpu" else ""
     m = lambda f: median([f(s) for s in steps])  # noqa: E731
+    total = lambda s: s["cpu" if clock == "cpu" else "time"]  # noqa: E731
     flop_per_token = {"sft": 6, "dpo": 8, "grpo": 8}[workload] * n_params  # DPO: + reference fwd
-    out = {"tokens/s": m(lambda s: s["tokens"] / s["time"]), "s/step": m(lambda s: s["time"]),
-           "flop/s": m(lambda s: flop_per_token * s["tokens"] / s["time"])}
+    out = {"tokens/s": m(lambda s: s["tokens"] / total(s)), "s/step": m(total),
+           "flop/s": m(lambda s: flop_per_token * s["tokens"] / total(s))}
     if workload == "grpo":
-        gen = lambda s: s["generation"]  # noqa: E731
-        upd = lambda s: s.get("update", s["time"] - s["generation"])  # noqa: E731
+        gen = lambda s: s["generation" + suffix]  # noqa: E731
+        # TRL: the step minus its rollout; RL2: actor_update itself
+        upd = lambda s: s.get("update" + suffix, total(s) - gen(s))  # noqa: E731
         out.update({
             "gen tokens/s": m(lambda s: s["generated_tokens"] / gen(s)),
             "gen flop/s": m(lambda s: 2 * n_params * s["tokens"] / gen(s)),
@@ -164,10 +147,11 @@ def run(args) -> str:
 
     with_trl = trl_available() and not args.no_trl
     columns = ["TRL"] + [name for name, _, _ in layouts(args.threads)]
-    results, peaks, notes = {}, {1: [], args.threads: []}, []
+    peaks, cpu_peaks, notes = {1: [], args.threads: []}, [], []
     if not with_trl:
         notes.append("TRL skipped: " + ("--no-trl" if args.no_trl else
                                          "`trl` is not installed (pip install trl to compare)"))
+    raw = {}
     with tempfile.TemporaryDirectory() as root:
         spec = QUICK_MODEL if args.quick else FULL_MODEL
         build_assets(root, spec)
@@ -180,17 +164,19 @@ def run(args) -> str:
             for t in peaks:  # measured before every workload: follows the machine's load
                 torch.set_num_threads(t)
                 peaks[t].append(matmul_peak("cpu", torch.float32, repeats=3))
-            results[workload] = {}
+            torch.set_num_threads(1)
+            cpu_peaks.append(matmul_peak("cpu", torch.float32, repeats=3, clock=time.process_time))
+            raw[workload] = {}
             if with_trl:
-                results[workload]["TRL"] = summarize(workload, run_trl(workload, root, args), n_params)
+                raw[workload]["TRL"] = run_trl(workload, root, args)
             for name, nproc, threads in layouts(args.threads):
-                steps = run_rl2(workload, root, nproc, threads, args)
-                results[workload][name] = summarize(workload, steps, n_params)
+                raw[workload][name] = run_rl2(workload, root, nproc, threads, args)
         elapsed = time.perf_counter() - start
     peak = {t: median(v) for t, v in peaks.items()}
     # A column's peak: the matmul rate of the cores it uses (2 x 1 = two one-thread processes).
     col_peak = {c: peak[args.threads] for c in columns}
     col_peak["RL2 2x1"] = 2 * peak[1]
+    results = {w: {c: summarize(w, st, n_params) for c, st in r.items()} for w, r in raw.items()}
     head = (f"### RL2 vs TRL ({machine_description('cpu', args.threads)}; model {n_params / 1e6:.1f}M "
             f"params; fp32; matmul peak {peak[1] / 1e9:.0f} GFLOP/s with 1 thread, "
             f"{peak[args.threads] / 1e9:.0f} with {args.threads} (medians of {len(args.only)} "
@@ -200,8 +186,16 @@ def run(args) -> str:
               "reference or generation token) **speed-up over TRL** (>1 = RL2 faster). TRL runs in "
               f"one process with {args.threads} thread(s); `RL2 PxT` = P torchrun processes x T threads each; "
               "a column's peak is that of the cores it uses (2x1: twice the 1-thread peak).")
-    return "\n\n".join([head, ratio_table(results, col_peak, columns), legend] + notes
-                       + ["```json\n" + json.dumps({"peak": col_peak, "results": results}) + "\n```"])
+    parts = [head, "Wall clock:", ratio_table(results, col_peak, columns), legend]
+    if args.threads == 1:  # process CPU time = wall time on an idle core, for 1-thread processes
+        cpu_peak = median(cpu_peaks)
+        cpu = {w: {c: summarize(w, st, n_params, "cpu") for c, st in r.items()} for w, r in raw.items()}
+        parts += [f"Process CPU time (rank 0; one thread per process, so this is the time each "
+                  f"process would take on a core of its own: robust to other tenants' load; gloo "
+                  f"waits that sleep are not counted). 1-thread matmul peak in CPU time "
+                  f"{cpu_peak / 1e9:.0f} GFLOP/s:",
+                  ratio_table(cpu, {c: cpu_peak * (2 if c == "RL2 2x1" else 1) for c in columns}, columns)]
+    return "\n\n".join(parts + notes + ["```json\n" + json.dumps({"peak": col_peak, "raw": raw}) + "\n```"])
 
 
 def parse_args(argv=None):

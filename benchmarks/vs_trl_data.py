@@ -1,7 +1,7 @@
 """Shared assets of bench_vs_trl: the model (Qwen2 from a config), its tokenizer, and the three
 workloads written once as JSON so TRL and RL2 read the same rows.
 
-- sft: token-id sequences (log-normal lengths 20-1000 as in bench_sft), loss on every token;
+- sft: token-id sequences, SFT_ROW lengths per step, loss on every token;
 - dpo: text pairs (prompt ~64 tokens, chosen/rejected ~128), tokenized by each library;
 - grpo: short text prompts (~20 tokens), no chat template.
 """
@@ -11,11 +11,13 @@ import random
 
 import torch
 
-from benchmarks.common import sample_lengths
-
 # The issue's model: Qwen2, hidden 512, 8 layers, 8 heads / 4 KV heads, vocab 2048 (25.7M params).
 FULL_MODEL = dict(hidden=512, layers=8, heads=8, kv_heads=4, intermediate=1536, vocab=2048)
 QUICK_MODEL = dict(hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128, vocab=512)
+# The sequences of one SFT step (1020 tokens): best-fit decreasing into 1024-token rows puts
+# exactly one of each length in every row (no two 600s fit together, and so on down), so every
+# step of TRL's packed, shuffled rows and of RL2's steps holds the same shapes whatever the order.
+SFT_ROW = (600, 250, 100, 50, 20)
 
 
 def _words(rng: random.Random, n: int) -> str:
@@ -24,7 +26,7 @@ def _words(rng: random.Random, n: int) -> str:
     return " ".join(rng.choices(WORDS, k=n))
 
 
-def build_assets(root: str, model: dict, n_sft: int = 200, n_pairs: int = 64, n_prompts: int = 64,
+def build_assets(root: str, model: dict, n_sft: int = 8, n_pairs: int = 64, n_prompts: int = 64,
                  seed: int = 0) -> str:
     """Write root/model (config-built weights + tokenizer) and root/{sft,dpo,grpo}.json."""
     from RL2.tools.make_assets import build_tiny_model, build_tokenizer
@@ -34,7 +36,7 @@ def build_assets(root: str, model: dict, n_sft: int = 200, n_pairs: int = 64, n_
     build_tiny_model(os.path.join(root, "model"), tok, "qwen2", max_pos=2048, **kw)
     g = torch.Generator().manual_seed(seed)
     sft = [{"input_ids": torch.randint(4, len(tok), (n,), generator=g).tolist()}
-           for n in sample_lengths(n_sft, seed=seed)]
+           for _ in range(n_sft) for n in SFT_ROW]
     rng = random.Random(seed)
     dpo = [{"prompt": _words(rng, 48) + "\n", "chosen": " " + _words(rng, 96),
             "rejected": " " + _words(rng, 96)} for _ in range(n_pairs)]

@@ -1,29 +1,118 @@
-"""RL2 side of bench_vs_trl for SFT and DPO, launched with torchrun (1 x 2 threads or 2 x 1).
+"""RL2 side of bench_vs_trl, launched with torchrun (1 x T threads or 2 x 1).
 
     torchrun --nproc_per_node=N benchmarks/vs_trl_rl2.py --workload sft --assets DIR --out r.json
 
-The library path of RL2's trainers: an `Actor` (FSDP2 over every rank) with `sft_update`, and for
-DPO a frozen reference `Actor` whose sequence log-probs are computed live every step before
-`dpo_update` (what RL2.trainer.dpo does). Each step is timed on the wall clock between barriers;
-rank 0 writes {"steps": [{"time", "tokens"}, ...]} (first step = warm-up included).
-GRPO runs RL2.trainer.ppo itself (see bench_vs_trl.py).
+The library path of RL2's trainers:
+- sft: an `Actor` (FSDP2 over every rank) and `sft_update`;
+- dpo: the same plus a frozen reference `Actor` whose sequence log-probs are computed live every
+  step before `dpo_update` (what RL2.trainer.dpo does);
+- grpo: `RL2.trainer.ppo.PPOTrainer.train_step` itself (embedded engine rollout, advantages,
+  actor update, weight sync), its rollout and actor update wrapped by timers.
+Each step is timed on the wall clock (between barriers) and in process CPU time (rank 0; what
+the step costs without the other tenants of a loaded machine). Rank 0 writes
+{"steps": [{"time", "cpu", "tokens", ...}, ...]} with the first step (warm-up) included.
 """
 import argparse
 import json
 import os
 import sys
 import time
+from contextlib import contextmanager
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+ENV = '''async def step(state, action, extra_info):
+    reward = float(len(action) % 2)  # the TRL reward function of vs_trl_trl.py
+    return {"next_state": None, "reward": reward, "score": reward, "done": True}
+'''
+
+
+@contextmanager
+def clocks(record: dict, name: str):
+    start, cpu = time.perf_counter(), time.process_time()
+    yield
+    record[name] = record.get(name, 0.0) + time.perf_counter() - start
+    record[f"{name}_cpu"] = record.get(f"{name}_cpu", 0.0) + time.process_time() - cpu
+
+
+def sft_dpo_steps(args, model: str):
+    """(batches, step function) for sft / dpo on an Actor (+ reference)."""
+    from benchmarks.vs_trl_data import dpo_pairs, load_rows, sft_steps
+    from RL2.algorithms.dpo import dpo_update
+    from RL2.algorithms.sft import sft_update
+    from RL2.data.pairs import flatten_pairs
+    from RL2.utils.config import load_config
+    from RL2.workers.actor import Actor
+
+    keys = [f"actor.model_name={model}", "data.train.path=unused", "actor.lr=1e-5",
+            "actor.scheduler=constant", "actor.warmup_ratio=0", "actor.max_grad_norm=1.0"]
+    cfg = load_config(args.workload, keys)
+    actor = Actor(cfg.actor, "cpu", total_steps=10 ** 6)
+    if args.workload == "sft":
+        def step(batch, record):
+            sft_update(actor, batch)
+            return sum(len(s["input_ids"]) for s in batch)
+        return sft_steps(load_rows(args.assets, "sft"), args.sft_max_length), step
+    from transformers import AutoTokenizer
+
+    ref = Actor(cfg.actor.copy(), "cpu", train=False)
+    pairs = dpo_pairs(load_rows(args.assets, "dpo"), AutoTokenizer.from_pretrained(model))
+
+    def step(batch, record):
+        samples = flatten_pairs(batch)[0]
+        dpo_update(actor, batch, ref.compute_sequence_logps(samples))  # live reference
+        return sum(len(s["input_ids"]) + 1 for s in samples)  # + 1: TRL counts the last token
+    return [pairs[i:i + args.pairs] for i in range(0, len(pairs), args.pairs)], step
+
+
+def grpo_steps(args, model: str):
+    """(step indices, step function) running PPOTrainer.train_step with timed stages."""
+    import RL2.trainer.ppo as ppo
+    from RL2.utils.config import load_config
+
+    env_path = os.path.join(args.assets, "parity_env.py")
+    if not os.path.exists(env_path):
+        with open(env_path, "w") as f:
+            f.write(ENV)
+    run_dir = os.path.join(args.assets, f"rl2_grpo_run_{os.environ.get('WORLD_SIZE', '1')}")
+    cfg = load_config("ppo", [
+        f"actor.model_name={model}", f"data.train.path={args.assets}/grpo.jsonl",
+        "data.train.apply_chat_template=false", f"actor.rollout.env_path={env_path}",
+        "actor.rollout.env_workers=0", f"trainer.save_dir={run_dir}", "trainer.device=cpu",
+        "actor.rollout.prompts_per_rollout=4", "actor.rollout.responses_per_prompt=4",
+        f"actor.rollout.train_sampling_params.max_new_tokens={args.new_tokens}",
+        "actor.rollout.dump_rollouts=false", "kl.coef=0", "adv.norm_var=true", "actor.lr=1e-5",
+        "actor.max_grad_norm=1.0"])
+    trainer = ppo.PPOTrainer(cfg)
+    record = {}
+    run, update = trainer.rollout.run, ppo.actor_update
+
+    def timed_run(*a, **kw):
+        with clocks(record, "generation"):
+            return run(*a, **kw)
+
+    def timed_update(*a, **kw):
+        with clocks(record, "update"):
+            return update(*a, **kw)
+    trainer.rollout.run, ppo.actor_update = timed_run, timed_update
+
+    def step(i, out):
+        record.clear()
+        metrics = trainer.train_step(i)
+        out.update(record, generated_tokens=metrics["rollout/train_tokens"])
+        return metrics["train/tokens"]
+    step.close = trainer.close  # engine shutdown, then the process group
+    return list(range(args.steps)), step
 
 
 def main(argv=None):
     p = argparse.ArgumentParser()
-    p.add_argument("--workload", choices=["sft", "dpo"], required=True)
+    p.add_argument("--workload", choices=["sft", "dpo", "grpo"], required=True)
     p.add_argument("--assets", required=True)
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--pairs", type=int, default=4)
+    p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--sft-max-length", type=int, default=1024)
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
@@ -31,51 +120,26 @@ def main(argv=None):
     import torch.distributed as dist
 
     torch.set_num_threads(args.threads)
-    from benchmarks.vs_trl_data import dpo_pairs, load_rows, sft_steps
-    from RL2.algorithms.dpo import dpo_update
-    from RL2.algorithms.sft import sft_update
-    from RL2.data.pairs import flatten_pairs
     from RL2.parallel.mesh import init_distributed
-    from RL2.utils.config import load_config
-    from RL2.workers.actor import Actor
 
     init_distributed("cpu")
     model = os.path.join(args.assets, "model")
-    keys = [f"actor.model_name={model}", "data.train.path=unused", "actor.lr=1e-5",
-            "actor.scheduler=constant", "actor.warmup_ratio=0", "actor.max_grad_norm=1.0"]
-    cfg = load_config(args.workload, keys)
-    actor = Actor(cfg.actor, "cpu", total_steps=10 ** 6)
-    if args.workload == "sft":
-        batches = sft_steps(load_rows(args.assets, "sft"), args.sft_max_length)[:args.steps]
-
-        def step(batch):
-            sft_update(actor, batch)
-            return sum(len(s["input_ids"]) for s in batch)
-    else:
-        from transformers import AutoTokenizer
-
-        ref_cfg = cfg.actor.copy()
-        ref = Actor(ref_cfg, "cpu", train=False)
-        pairs = dpo_pairs(load_rows(args.assets, "dpo"), AutoTokenizer.from_pretrained(model))
-        batches = [pairs[i:i + args.pairs] for i in range(0, args.pairs * args.steps, args.pairs)]
-
-        def step(batch):
-            samples = flatten_pairs(batch)[0]
-            dpo_update(actor, batch, ref.compute_sequence_logps(samples))  # live reference
-            return sum(len(s["input_ids"]) + 1 for s in samples)  # + 1: TRL counts the last token
+    batches, step = (grpo_steps if args.workload == "grpo" else sft_dpo_steps)(args, model)
     if len(batches) < args.steps:
         raise SystemExit(f"only {len(batches)} {args.workload} steps of data for --steps {args.steps}")
     steps = []
-    for batch in batches:
+    for batch in batches[:args.steps]:
+        record = {}
         dist.barrier()
-        start = time.perf_counter()
-        tokens = step(batch)
-        dist.barrier()
-        steps.append({"time": time.perf_counter() - start, "tokens": tokens})
+        with clocks(record, "time"):
+            record["tokens"] = step(batch, record)
+            dist.barrier()
+        record["cpu"] = record.pop("time_cpu")
+        steps.append(record)
     if dist.get_rank() == 0:
         with open(args.out, "w") as f:
             json.dump({"steps": steps}, f)
-    dist.destroy_process_group()
+    getattr(step, "close", dist.destroy_process_group)()
 
 
 if __name__ == "__main__":

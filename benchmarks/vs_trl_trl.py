@@ -3,7 +3,7 @@
     python benchmarks/vs_trl_trl.py --workload sft --assets DIR --steps 4 --out result.json
 
 Run by bench_vs_trl.py in a fresh process (threads set before torch starts). Times every
-optimizer step with a TrainerCallback (wall clock, step begin -> step end); GRPO also times
+optimizer step with a TrainerCallback (wall clock and process CPU time, step begin -> step end); GRPO also times
 `_generate_and_score_completions` (generation + rewards + advantages, RL2's `time/rollout`).
 Writes {"steps": [{"time", "tokens", ...}, ...]} with the first step (warm-up) included.
 """
@@ -33,10 +33,11 @@ def _timer():
             self.steps, self._start = [], None
 
         def on_step_begin(self, args, state, control, **kw):
-            self._start = time.perf_counter()
+            self._start = (time.perf_counter(), time.process_time())
 
         def on_step_end(self, args, state, control, **kw):
-            self.steps.append({"time": time.perf_counter() - self._start})
+            self.steps.append({"time": time.perf_counter() - self._start[0],
+                               "cpu": time.process_time() - self._start[1]})
 
     return StepTimer()
 
@@ -107,9 +108,9 @@ def run_grpo(args, tok, timer, tokens):
     inner = trainer._generate_and_score_completions
 
     def timed(inputs):
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         out = inner(inputs)
-        gen_times.append(time.perf_counter() - start)
+        gen_times.append((time.perf_counter() - start, time.process_time() - cpu))
         gen_tokens.append(int(out["completion_mask"].sum()))
         tokens.append(gen_tokens[-1] + int(out["prompt_mask"].sum()))
         return out
@@ -145,8 +146,8 @@ def main(argv=None):
     steps = timer.steps
     if args.workload == "grpo":
         gen_times, gen_tokens = extra
-        for s, g, n in zip(steps, gen_times, gen_tokens):
-            s.update(generation=g, generated_tokens=n)
+        for s, (g, g_cpu), n in zip(steps, gen_times, gen_tokens):
+            s.update(generation=g, generation_cpu=g_cpu, generated_tokens=n)
     # SFT/DPO: one training_step per optimizer step (no accumulation); GRPO: one generation.
     for s, n in zip(steps, tokens):
         s["tokens"] = n

@@ -65,7 +65,9 @@ class Worker:
         if train:
             self.optimizer = torch.optim.AdamW(
                 self.model.parameters(), lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,
-                weight_decay=cfg.weight_decay, foreach=True)  # one multi-tensor update, not per-param DTensor dispatch
+                # fused: one kernel per parameter list, no per-param DTensor dispatch; on CPU
+                # (25.7M params, one thread) 22 ms a step against 120 ms for foreach=True
+                weight_decay=cfg.weight_decay, fused=True)
             self.scheduler = make_scheduler(self.optimizer, cfg, total_steps)
         else:
             self.model.eval()
@@ -148,8 +150,8 @@ class Worker:
 
     def _move_optimizer_state(self, to_params: bool):
         """`offload_optimizer`: AdamW moments live on the CPU between steps and, for the step, on
-        the device of their parameter's shard (the CPU too with `offload_params`: the foreach
-        AdamW kernels need the state beside the parameter)."""
+        the device of their parameter's shard (the CPU too with `offload_params`: the fused
+        AdamW kernel needs the state beside the parameter)."""
         if not self.cfg.offload_optimizer:
             return
         for param, state in self.optimizer.state.items():

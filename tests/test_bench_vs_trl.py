@@ -1,0 +1,67 @@
+"""bench_vs_trl: the ratio table's structure and arithmetic (no timings asserted), and one slow
+smoke run of the real script in its tiny mode."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+from benchmarks.bench_vs_trl import FIGURES, ratio_table, summarize
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _steps(times, tokens=1000, **extra):
+    return [dict({"time": t, "cpu": t / 2, "tokens": tokens}, **extra) for t in times]
+
+
+def test_summarize_medians_skip_warmup_and_flops():
+    # warm-up step (100 s) dropped; median of 1, 2, 4 s = 2 s
+    r = summarize("sft", _steps([100.0, 1.0, 4.0, 2.0]), n_params=10)
+    assert r["s/step"] == 2.0 and r["tokens/s"] == 500.0
+    assert r["flop/s"] == 6 * 10 * 1000 / 2.0  # 6N per trained token
+    cpu = summarize("sft", _steps([100.0, 1.0, 4.0, 2.0]), n_params=10, clock="cpu")
+    assert cpu["s/step"] == 1.0
+    g = summarize("grpo", _steps([9.0, 3.0], generation=1.0, generated_tokens=500), n_params=10)
+    assert g["update s"] == 2.0  # TRL: the step minus its rollout
+    assert g["gen tokens/s"] == 500.0 and g["update s/1k tokens"] == 2.0
+    g = summarize("grpo", _steps([9.0, 3.0], generation=1.0, update=1.5, generated_tokens=500), 10)
+    assert g["update s"] == 1.5  # RL2: actor_update's own timer
+
+
+def test_ratio_table_structure_and_speedups():
+    base = _steps([1.0, 2.0])
+    results = {"sft": {"TRL": summarize("sft", base, 10),
+                       "RL2 1x2": summarize("sft", _steps([1.0, 1.0]), 10)},
+               "grpo": {"RL2 1x2": summarize("grpo", _steps([1.0, 2.0], generation=1.0,
+                                                            update=0.5, generated_tokens=64), 10)}}
+    columns = ["TRL", "RL2 1x2", "RL2 2x1"]
+    peaks = {c: 1e6 for c in columns}
+    lines = ratio_table(results, peaks, columns).splitlines()
+    assert lines[0] == "| workload | TRL | RL2 1x2 | RL2 2x1 |"
+    rows = [line.split(" | ") for line in lines[2:]]
+    assert len(rows) == len(FIGURES["sft"]) + len(FIGURES["grpo"])
+    sft = rows[0]
+    assert "SFT" in sft[0] and "% peak" in sft[1]
+    assert "**2.00x**" in sft[2]  # twice TRL's tokens/s
+    assert sft[3].startswith("skipped")  # a column that did not run
+    assert all("**" not in r[2] for r in rows[1:])  # no TRL row for grpo: no speed-up claimed
+    assert rows[1][1].startswith("skipped")
+
+
+@pytest.mark.slow
+def test_bench_vs_trl_quick_runs_end_to_end(tmp_path):
+    """The real script (tiny model, 1 measured step, TRL skipped to keep it short): every
+    workload row and both RL2 layouts appear, with a % of peak in each cell."""
+    env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1")
+    out = subprocess.run([sys.executable, "-m", "benchmarks.bench_vs_trl", "--quick", "--no-trl",
+                          "--threads", "1"], capture_output=True, text=True, cwd=REPO, env=env,
+                         timeout=1500)
+    assert out.returncode == 0, out.stderr[-2000:]
+    text = out.stdout
+    assert "| workload | TRL | RL2 1x1 | RL2 2x1 |" in text
+    assert "TRL skipped: --no-trl" in text
+    for label, *_ in FIGURES["sft"] + FIGURES["dpo"] + FIGURES["grpo"]:
+        row = next(line for line in text.splitlines() if line.startswith(f"| {label} |"))
+        cells = row.strip("| ").split(" | ")
+        assert cells[1] == "skipped" and all("% peak)" in c for c in cells[2:]), row

@@ -402,6 +402,8 @@ def test_own_forward_matches_hf(arch):
     from RL2.rollout import llama_forward
     model = _arch_model(arch)
     assert llama_forward.supports(model)
+    x = torch.randn(5, 64) * 3  # the one-call norm is bitwise HF's RMSNorm
+    assert torch.equal(llama_forward._norm(model.model.norm, x), model.model.norm(x))
     engine = TorchEngine(model, None)
     assert engine.own_forward
     prompts = random_prompts(6, seed=5)

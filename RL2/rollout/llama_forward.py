@@ -35,7 +35,11 @@ def supports(model) -> bool:
     attn, mlp = layer.self_attn, layer.mlp
     linears = [getattr(attn, n, None) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
     linears += [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
+    norms = [layer.input_layernorm, layer.post_attention_layernorm, body.norm]
+    norms += [getattr(attn, n) for n in ("q_norm", "k_norm") if hasattr(attn, n)]
     return (all(isinstance(m, torch.nn.Linear) for m in linears)
+            and all(type(n).__name__.endswith("RMSNorm") and hasattr(n, "variance_epsilon")
+                    and tuple(n.weight.shape) == (n.weight.shape[-1],) for n in norms)
             and hasattr(attn, "scaling") and hasattr(attn, "head_dim"))
 
 
@@ -50,29 +54,38 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos + rotated * sin
 
 
+def _norm(norm, x: torch.Tensor) -> torch.Tensor:
+    # F.rms_norm is one call and bitwise equal to HF's fp32 RMSNorm (checked in the tests); in
+    # other dtypes HF upcasts to fp32 first, so its own module runs
+    if x.dtype != torch.float32:
+        return norm(x)
+    return F.rms_norm(x, norm.weight.shape, norm.weight, norm.variance_epsilon)
+
+
 def _qkv(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
     """Rotated queries and keys, and values, as [tokens, heads, head_dim] (x: [tokens, hidden])."""
     attn = layer.self_attn
     d, n = attn.head_dim, x.shape[0]
-    h = layer.input_layernorm(x)
+    h = _norm(layer.input_layernorm, x)
     q = _linear(h, attn.q_proj).view(n, -1, d)
     k = _linear(h, attn.k_proj).view(n, -1, d)
     v = _linear(h, attn.v_proj).view(n, -1, d)
     if hasattr(attn, "q_norm"):  # Qwen3: per-head RMSNorm before RoPE
-        q, k = attn.q_norm(q), attn.k_norm(k)
-    return _rotate(q, cos, sin), _rotate(k, cos, sin), v
+        q, k = _norm(attn.q_norm, q), _norm(attn.k_norm, k)
+    qk = _rotate(torch.cat([q, k], dim=1), cos, sin)  # one elementwise pass for both
+    return qk[:, :q.shape[1]], qk[:, q.shape[1]:], v
 
 
 def _finish_layer(layer, x: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
     """Output projection, residuals and MLP of one decoder layer (x: the layer's input)."""
     x = x + _linear(attn_out, layer.self_attn.o_proj)
-    h = layer.post_attention_layernorm(x)
+    h = _norm(layer.post_attention_layernorm, x)
     mlp = layer.mlp
     return x + _linear(F.silu(_linear(h, mlp.gate_proj)) * _linear(h, mlp.up_proj), mlp.down_proj)
 
 
 def _logits(model, x: torch.Tensor) -> torch.Tensor:
-    return model.lm_head(model.model.norm(x))
+    return model.lm_head(_norm(model.model.norm, x))
 
 
 @torch.inference_mode()
@@ -138,14 +151,14 @@ def decode(model, tokens: torch.Tensor, kv) -> torch.Tensor:
     x = body.embed_tokens(tokens)                                # [B, hidden]
     cos, sin = body.rotary_emb(x[None], kv.lens[None])           # [1, B, D]
     cos, sin = cos[0, :, None], sin[0, :, None]                  # [B, 1, D]
-    bias = kv.bias()                                             # [B, 1, 1, W]
+    bias = kv.bias(dtype=x.dtype)                                # [B, 1, 1, W]
     for li, layer in enumerate(body.layers):
-        attn = layer.self_attn
         q, k, v = _qkv(layer, x, cos, sin)                       # [B, heads, D]
         keys, values = kv.write(li, k, v)                        # [B, kv_heads, W, D]
-        # grouped query heads: [B, kv_heads, G, D] against the unexpanded cache
+        # one row's query heads of a group as a query block: [B, kv_heads, G, D] against the
+        # unexpanded cache (no copy of K/V per group), the padding as an additive bias
         qg = q.view(rows, keys.shape[1], -1, q.shape[-1])
-        scores = torch.matmul(qg, keys.transpose(2, 3)).float() * attn.scaling + bias
-        probs = torch.softmax(scores, dim=-1).to(values.dtype)
-        x = _finish_layer(layer, x, torch.matmul(probs, values).reshape(rows, -1))
+        out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=bias,
+                                             scale=layer.self_attn.scaling)
+        x = _finish_layer(layer, x, out.reshape(rows, -1))
     return _logits(model, x)

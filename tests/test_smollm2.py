@@ -19,14 +19,14 @@ def test_smollm2_engine_matches_hf_and_knows_paris(tmp_path_factory):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from RL2.rollout.engine import SamplingParams
-    from RL2.rollout.fast_decode import supports
+    from RL2.rollout.llama_forward import supports
     from RL2.rollout.torch_engine import TorchEngine
     from RL2.tools.smollm2 import convert
 
     path = convert(str(tmp_path_factory.mktemp("smollm2")))
     tok = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path).eval()
-    assert model.config.model_type == "llama" and supports(model)  # the fast decode path
+    assert model.config.model_type == "llama" and supports(model)  # the engine's own forward
     questions = ["What is the capital of France?", "Name a primary colour."]
     prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
                                                   add_generation_prompt=True), add_special_tokens=False)

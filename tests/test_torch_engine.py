@@ -70,8 +70,8 @@ async def staggered(engine, jobs, gap=3):
 def test_greedy_matches_hf_generate_concurrent_and_staggered(model, monkeypatch):
     engine = TorchEngine(model, CharTokenizer())
     merges = []
-    orig_merge = engine._merge
-    monkeypatch.setattr(engine, "_merge", lambda *a: (merges.append(bool(engine._rows)), orig_merge(*a)))
+    orig_join = engine._join
+    monkeypatch.setattr(engine, "_join", lambda *a: (merges.append(bool(engine._rows)), orig_join(*a)))
     prompts = random_prompts(12)
     lengths = [5 + 3 * (i % 5) for i in range(12)]
     jobs = [(p, SamplingParams(temperature=0, max_new_tokens=k)) for p, k in zip(prompts, lengths)]
@@ -101,7 +101,7 @@ def test_multi_turn_prefix_reuse_matches_hf_and_is_dropped_on_update(cache_mb):
     prompts = random_prompts(5, seed=11)
     contexts = asyncio.run(_gather(*[agent(i, p) for i, p in enumerate(prompts)]))
     assert (engine.stats["cached_prompt_tokens"] > 0) == (cache_mb > 0)
-    assert engine._prefix_bytes <= engine.prefix_cache_bytes
+    assert engine.prefix_cache.nbytes <= engine.prefix_cache.max_bytes
     for prompt, context in zip(prompts, contexts):
         for _ in range(3):
             prompt = prompt + hf_greedy(m1, prompt, 8, eos=None) + obs
@@ -134,7 +134,7 @@ def test_batch_kv_matches_naive_reference():
                 m[i, rng.randint(0, w - 1):] = 1
             x = x * m[:, None, :, None]
             room = rng.randint(0, 8)
-            kv.add([x], [2 * x], room=room)  # values = 2 * keys (exact in float)
+            kv.add([x], [2 * x], m.sum(1), room=room)  # values = 2 * keys (exact in float)
             if ref is None:
                 ref, mask = x, m
             else:
@@ -144,8 +144,8 @@ def test_batch_kv_matches_naive_reference():
         elif op < 0.8:
             col = torch.randn(ref.shape[0], 1, 1, 1)
             kv.reserve(1)
-            keys, _ = kv.cache().layers[0].update(col, 2 * col)
-            kv.advance(1)
+            keys, _ = kv.write(0, col[:, :, 0], 2 * col[:, :, 0])
+            kv.advance()
             ref, mask = torch.cat([ref, col], 2), torch.cat([mask, torch.ones(ref.shape[0], 1, dtype=torch.long)], 1)
             assert torch.equal(keys * mask[:, None, :, None], ref * mask[:, None, :, None])
         else:
@@ -156,14 +156,15 @@ def test_batch_kv_matches_naive_reference():
                 ref = mask = None
                 continue
             ref, mask = ref[order], mask[order]
-            first = int(mask.any(0).int().argmax())
-            kv.start += first
+            first = int(mask.any(0).int().argmax())  # compact drops columns no row uses
             ref, mask = ref[:, :, first:], mask[:, first:]
         m = mask[:, None, :, None]
         live_k, live_v = kv.k[0][:kv.rows, :, kv.start:kv.end], kv.v[0][:kv.rows, :, kv.start:kv.end]
         assert live_k.shape == ref.shape
         assert torch.equal(live_k * m, ref * m) and torch.equal(live_v * m, 2 * ref * m)
         assert torch.isfinite(live_k).all() and torch.isfinite(live_v).all()
+        assert torch.equal(kv.lens, mask.sum(1))  # = each row's next position id
+        assert torch.equal(torch.isfinite(kv.bias(extra=0))[:, 0, 0], mask.bool())
         # buffers stay proportional to the live batch (reallocations for columns keep the rows)
         most_rows, most_cols = max(most_rows, kv.rows), max(most_cols, kv.end - kv.start + 8)
         assert kv.k[0].shape[0] <= 2 * most_rows, (step, kv.k[0].shape, most_rows)
@@ -300,12 +301,12 @@ def test_bad_inputs(model):
 
 
 @pytest.mark.parametrize("failing_call", [1, 3])  # 1: the prefill, 3: a decode step
-@pytest.mark.parametrize("fast", [True, False], ids=["fast_decode", "hf_decode"])
+@pytest.mark.parametrize("fast", [True, False], ids=["own_forward", "hf_forward"])
 def test_scheduler_error_reaches_every_caller_then_recovers(model, monkeypatch, failing_call, fast):
-    import RL2.rollout.fast_decode as fast_decode
+    import RL2.rollout.llama_forward as llama_forward
 
-    engine = TorchEngine(model, None, fast_decode=fast)
-    assert engine.fast_decode == fast
+    engine = TorchEngine(model, None, own_forward=fast)
+    assert engine.own_forward == fast
     calls = {"n": 0}
 
     def flaky(fn):
@@ -316,7 +317,8 @@ def test_scheduler_error_reaches_every_caller_then_recovers(model, monkeypatch, 
             return fn(*a, **kw)
         return wrapped
     monkeypatch.setattr(model, "forward", flaky(model.forward))
-    monkeypatch.setattr(fast_decode, "decode_step", flaky(fast_decode.decode_step))
+    monkeypatch.setattr(llama_forward, "prefill", flaky(llama_forward.prefill))
+    monkeypatch.setattr(llama_forward, "decode", flaky(llama_forward.decode))
 
     async def main():
         jobs = [engine.generate(p, SamplingParams(temperature=0, max_new_tokens=10)) for p in random_prompts(4)]
@@ -394,14 +396,16 @@ def _arch_model(arch):
 
 
 @pytest.mark.parametrize("arch", ["qwen2_tied", "llama", "qwen3"])
-def test_fast_decode_matches_hf(arch):
-    """The hand-written decode step (RL2/rollout/fast_decode.py) == the HF forward: greedy tokens
+def test_own_forward_matches_hf(arch):
+    """The hand-written prefill and decode (RL2/rollout/llama_forward.py) == the HF forward: greedy tokens
     equal HF generate, log-probs equal an HF forward, on each supported architecture."""
-    from RL2.rollout import fast_decode
+    from RL2.rollout import llama_forward
     model = _arch_model(arch)
-    assert fast_decode.supports(model)
+    assert llama_forward.supports(model)
+    x = torch.randn(5, 64) * 3  # the one-call norm is bitwise HF's RMSNorm
+    assert torch.equal(llama_forward._norm(model.model.norm, x), model.model.norm(x))
     engine = TorchEngine(model, None)
-    assert engine.fast_decode
+    assert engine.own_forward
     prompts = random_prompts(6, seed=5)
     params = SamplingParams(temperature=0, max_new_tokens=12)
 
@@ -413,13 +417,23 @@ def test_fast_decode_matches_hf(arch):
                                    atol=1e-5, rtol=0)
 
 
-def test_fast_decode_declines_other_architectures():
+def test_other_architectures_use_the_hf_forward():
+    """GPT-2 is not Llama-family: it runs through the HF forward (no KV cache) and still
+    equals HF generate."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from RL2.rollout import fast_decode
-    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=2)).eval()
-    assert not fast_decode.supports(gpt2)
-    assert not TorchEngine(gpt2, None).fast_decode
+    from RL2.rollout import llama_forward
+    torch.manual_seed(0)
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=2,
+                                      initializer_range=0.2)).eval()
+    assert not llama_forward.supports(gpt2)
+    engine = TorchEngine(gpt2, None)
+    assert not engine.own_forward
+    prompts = random_prompts(4, seed=8)
+    params = SamplingParams(temperature=0, max_new_tokens=6)
+    outs = asyncio.run(staggered(engine, [(p, params) for p in prompts], gap=2))
+    for prompt, (out,) in zip(prompts, outs):
+        assert out.token_ids == hf_greedy(gpt2, prompt, 6, eos=None)
 
 
 def test_weight_sharing_is_all_or_nothing_and_never_writes_the_owner():

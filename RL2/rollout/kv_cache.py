@@ -1,33 +1,24 @@
-"""KV cache of the embedded engine: per-layer preallocated buffers holding one left-padded batch,
-written in place, with rows evicted by moving a live row into their place (no per-step copies)."""
+"""KV cache of the embedded engine: per-layer preallocated buffers holding one batch of rows,
+written in place, with rows evicted by moving a live row into their place (no per-step copies).
+
+The engine owns these buffers outright (plain tensors, no transformers cache class), so a
+transformers upgrade cannot change how they are laid out or updated.
+"""
 import torch
-from transformers.cache_utils import DynamicLayer
-
-
-class BufferLayer(DynamicLayer):
-    """HF cache layer over the engine's preallocated buffers: `update` writes the new columns in
-    place (HF's DynamicLayer concatenates, copying the whole cache every decode step)."""
-
-    def __init__(self, kv: "BatchKV", idx: int):
-        super().__init__()
-        self.kv, self.idx, self.is_initialized = kv, idx, True
-
-    def update(self, key_states, value_states, *args, **kwargs):
-        return self.kv.write(self.idx, key_states, value_states)
-
-    def get_seq_length(self) -> int:
-        return self.kv.end - self.kv.start
 
 
 class BatchKV:
     """KV cache of the running batch: per layer a [row_cap, kv_heads, len_cap, head_dim] buffer
-    with live rows [0, rows) and live columns [start, end). New rows are copied in right-aligned
-    at `end` (left padding); a finished row is overwritten by a live row from the end (one row
-    copied, not the batch); decode steps write column `end` in place; buffers grow by doubling."""
+    with live rows [0, rows) and live columns [start, end). Every row is right-aligned at `end`
+    with no holes: row i holds its `lens[i]` tokens in columns [end - lens[i], end), so `lens` is
+    also the position id of each row's next token. New rows are copied in at `end`; a finished
+    row is overwritten by a live row from the end (one row copied, not the batch); decode steps
+    write column `end` in place; buffers grow by doubling."""
 
     def __init__(self):
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []
+        self.lens = torch.zeros(0, dtype=torch.long)  # [rows] tokens held per row
         self.rows = self.start = self.end = 0
 
     def _realloc(self, row_cap: int, len_cap: int, left: int) -> None:
@@ -40,13 +31,16 @@ class BatchKV:
                 bufs[li] = new
         self.start, self.end = left, left + width
 
-    def add(self, keys: list[torch.Tensor], values: list[torch.Tensor], room: int = 0) -> None:
-        """Append rows given per layer as [r, heads, w, dim] (left-padded to w). `room`: decode
-        columns the batch will need after them (sized now, so decoding never reallocates)."""
+    def add(self, keys: list[torch.Tensor], values: list[torch.Tensor], lens: torch.Tensor,
+            room: int = 0) -> None:
+        """Append rows given per layer as [r, heads, w, dim], each row's `lens[i]` tokens
+        right-aligned (left padding). `room`: decode columns the batch will need after them
+        (sized now, so decoding never reallocates)."""
         r, _, w, _ = keys[0].shape
         if not self.k:  # first use: shapes, dtype and device come from the model
             self.k = [k.new_zeros(0, k.shape[1], 0, k.shape[3]) for k in keys]
             self.v = [v.new_zeros(0, v.shape[1], 0, v.shape[3]) for v in values]
+            self.lens = lens.new_zeros(0)
         row_cap, len_cap = self.k[0].shape[0], self.k[0].shape[2]
         width = self.end - self.start
         if self.rows + r > row_cap or self.end - w < 0 or self.end + room > len_cap:
@@ -61,6 +55,7 @@ class BatchKV:
             for buf, x in zip(bufs, new):
                 buf[self.rows:self.rows + r, :, self.end - w:self.end] = x
         self.start = min(self.start, self.end - w)
+        self.lens = torch.cat([self.lens, lens.to(self.lens.device)])
         self.rows += r
 
     def reserve(self, q: int) -> None:
@@ -71,23 +66,30 @@ class BatchKV:
             self._realloc(self.k[0].shape[0], len_cap, (len_cap - width - q) // 4)
 
     def write(self, li: int, k: torch.Tensor, v: torch.Tensor):
-        q = k.shape[2]
-        self.k[li][:self.rows, :, self.end:self.end + q] = k
-        self.v[li][:self.rows, :, self.end:self.end + q] = v
-        live = (slice(0, self.rows), slice(None), slice(self.start, self.end + q))
+        """Write one decode column ([rows, heads, dim]) of layer `li` at `end`; return the live
+        window [rows, heads, end + 1 - start, dim] of keys and values including it."""
+        self.k[li][:self.rows, :, self.end] = k
+        self.v[li][:self.rows, :, self.end] = v
+        live = (slice(0, self.rows), slice(None), slice(self.start, self.end + 1))
         return self.k[li][live], self.v[li][live]
 
-    def advance(self, q: int) -> None:
-        self.end += q
+    def advance(self) -> None:
+        """The decode column is written in every layer: it becomes part of each row."""
+        self.end += 1
+        self.lens = self.lens + 1
 
-    def cache(self):
-        from transformers import DynamicCache
-        cache = DynamicCache()
-        cache.layers = [BufferLayer(self, li) for li in range(len(self.k))]
-        return cache
+    def bias(self, extra: int = 1, dtype=torch.float32) -> torch.Tensor:
+        """Additive attention mask [rows, 1, 1, width + extra]: 0 on each row's tokens (and the
+        `extra` columns being written), -inf on its left padding."""
+        width = self.end - self.start + extra
+        cols = torch.arange(width, device=self.lens.device)
+        pad = cols[None, :] < (self.end - self.start - self.lens)[:, None]
+        return torch.zeros(pad.shape, dtype=dtype, device=pad.device).masked_fill_(
+            pad, float("-inf"))[:, None, None, :]
 
     def compact(self, keep: list[int]) -> list[int]:
-        """Keep rows `keep` (ascending); return the old index of each new row."""
+        """Keep rows `keep` (ascending); return the old index of each new row. Leading columns
+        no row uses any more are dropped from the live window."""
         n = len(keep)
         kept = set(keep)
         holes = [i for i in range(n) if i not in kept]
@@ -101,12 +103,18 @@ class BatchKV:
         for hole, mover in zip(holes, movers):
             order[hole] = mover
         self.rows = n
+        self.lens = self.lens[torch.tensor(order, dtype=torch.long, device=self.lens.device)]
         if n == 0 and self.k:  # keep the buffers; center the empty window for the next prompts
             self.start = self.end = self.k[0].shape[2] // 2
+        elif n:
+            self.start = self.end - int(self.lens.max())
         return order
 
-    def row(self, li: int, row: int, cols: torch.Tensor):
-        """(keys, values) [heads, len(cols), dim] of one row at live columns `cols`."""
-        window = slice(self.start, self.end)
-        return (self.k[li][row, :, window].index_select(1, cols),
-                self.v[li][row, :, window].index_select(1, cols))
+    def row(self, row: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer (keys, values) [heads, lens[row], dim] of one row (copies)."""
+        cols = slice(self.end - int(self.lens[row]), self.end)
+        return [(k[row, :, cols].clone(), v[row, :, cols].clone()) for k, v in zip(self.k, self.v)]
+
+    def token_bytes(self) -> int:
+        """Bytes of KV one token takes over all layers."""
+        return sum(2 * k.shape[1] * k.shape[3] * k.element_size() for k in self.k)

@@ -1,0 +1,164 @@
+"""Prefill and decode of a Llama-family decoder (Llama, Qwen2, Qwen3, Mistral without sliding
+window) written with plain tensor ops over the engine's own KV buffers (`kv_cache.BatchKV`).
+
+Why our own forward instead of the HF one: (1) no dependence on transformers' cache classes
+(their layout and update hooks changed across 4.x/5.x; the vLLM extra pins an older transformers
+than the trainer's), so the engine only relies on the model's parameters and on a few stable
+module attributes (`embed_tokens`, `layers[i].{input_layernorm, self_attn.{q,k,v,o}_proj,
+post_attention_layernorm, mlp.{gate,up,down}_proj}`, `norm`, `rotary_emb`, `lm_head`), which
+`supports` checks; (2) speed: prefill runs unpadded (all prompts packed into one sequence for the
+matmuls, attention per prompt), and a decode step adds a per-row padding bias to grouped-query
+attention without expanding K/V and without HF's mask construction. The model's own norms and
+rotary module are called, so numerics and RoPE variants stay HF's; tests compare both paths to
+HF `generate` and to an HF forward.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+_ARCHS = {"LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM"}
+
+
+def supports(model) -> bool:
+    """True when this module computes exactly what the HF forward does for this model."""
+    cfg = model.config
+    if type(model).__name__ not in _ARCHS or getattr(cfg, "hidden_act", None) != "silu":
+        return False
+    if getattr(cfg, "pretraining_tp", 1) != 1 or getattr(cfg, "sliding_window", None) and (
+            getattr(cfg, "use_sliding_window", True)):
+        return False
+    body = getattr(model, "model", None)
+    if not all(hasattr(body, n) for n in ("embed_tokens", "layers", "norm", "rotary_emb")):
+        return False
+    layer = body.layers[0]
+    attn, mlp = layer.self_attn, layer.mlp
+    linears = [getattr(attn, n, None) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
+    linears += [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
+    norms = [layer.input_layernorm, layer.post_attention_layernorm, body.norm]
+    norms += [getattr(attn, n) for n in ("q_norm", "k_norm") if hasattr(attn, n)]
+    return (all(isinstance(m, torch.nn.Linear) for m in linears)
+            and all(type(n).__name__.endswith("RMSNorm") and hasattr(n, "variance_epsilon")
+                    and tuple(n.weight.shape) == (n.weight.shape[-1],) for n in norms)
+            and hasattr(attn, "scaling") and hasattr(attn, "head_dim"))
+
+
+def _linear(x: torch.Tensor, proj) -> torch.Tensor:
+    # the functional call skips nn.Module dispatch (~7 per layer per step)
+    return F.linear(x, proj.weight, proj.bias)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def _norm(norm, x: torch.Tensor) -> torch.Tensor:
+    # F.rms_norm is one call and bitwise equal to HF's fp32 RMSNorm (checked in the tests); in
+    # other dtypes HF upcasts to fp32 first, so its own module runs
+    if x.dtype != torch.float32:
+        return norm(x)
+    return F.rms_norm(x, norm.weight.shape, norm.weight, norm.variance_epsilon)
+
+
+def _qkv(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """Rotated queries and keys, and values, as [tokens, heads, head_dim] (x: [tokens, hidden])."""
+    attn = layer.self_attn
+    d, n = attn.head_dim, x.shape[0]
+    h = _norm(layer.input_layernorm, x)
+    q = _linear(h, attn.q_proj).view(n, -1, d)
+    k = _linear(h, attn.k_proj).view(n, -1, d)
+    v = _linear(h, attn.v_proj).view(n, -1, d)
+    if hasattr(attn, "q_norm"):  # Qwen3: per-head RMSNorm before RoPE
+        q, k = _norm(attn.q_norm, q), _norm(attn.k_norm, k)
+    qk = _rotate(torch.cat([q, k], dim=1), cos, sin)  # one elementwise pass for both
+    return qk[:, :q.shape[1]], qk[:, q.shape[1]:], v
+
+
+def _finish_layer(layer, x: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+    """Output projection, residuals and MLP of one decoder layer (x: the layer's input)."""
+    x = x + _linear(attn_out, layer.self_attn.o_proj)
+    h = _norm(layer.post_attention_layernorm, x)
+    mlp = layer.mlp
+    return x + _linear(F.silu(_linear(h, mlp.gate_proj)) * _linear(h, mlp.up_proj), mlp.down_proj)
+
+
+def _logits(model, x: torch.Tensor) -> torch.Tensor:
+    return model.lm_head(_norm(model.model.norm, x))
+
+
+@torch.inference_mode()
+def prefill(model, suffixes: list[list[int]], prefixes: list, device):
+    """Run the new tokens of P prompts. suffixes[i]: token ids not cached yet; prefixes[i]: None
+    or per-layer (keys, values) [kv_heads, n_i, head_dim] of the prompt's first n_i tokens.
+
+    Returns (logits [P, vocab] of each prompt's last token, keys, values, lens): keys/values per
+    layer [P, kv_heads, W, head_dim] holding each prompt's whole KV (prefix + suffix, lens[i]
+    tokens) right-aligned, ready for `BatchKV.add`.
+    """
+    body = model.model
+    n_prefix = [p[0][0].shape[1] if p else 0 for p in prefixes]
+    lens = [h + len(s) for h, s in zip(n_prefix, suffixes)]
+    width = max(lens)
+    ids = torch.tensor([t for s in suffixes for t in s], device=device)
+    positions = torch.cat([torch.arange(h, n, device=device) for h, n in zip(n_prefix, lens)])
+    x = body.embed_tokens(ids)                                   # [N, hidden], no padding
+    cos, sin = body.rotary_emb(x[None], positions[None])         # [1, N, D]
+    cos, sin = cos[0, :, None], sin[0, :, None]                  # [N, 1, D]
+    keys, values = [], []
+    for li, layer in enumerate(body.layers):
+        q, k, v = _qkv(layer, x, cos, sin)
+        kbuf = k.new_zeros(len(suffixes), k.shape[1], width, k.shape[2])
+        vbuf = torch.zeros_like(kbuf)
+        outs, offset = [], 0
+        for i, (h, n) in enumerate(zip(n_prefix, lens)):
+            s = n - h
+            if h:
+                kbuf[i, :, width - n:width - s], vbuf[i, :, width - n:width - s] = prefixes[i][li]
+            kbuf[i, :, width - s:] = k[offset:offset + s].transpose(0, 1)
+            vbuf[i, :, width - s:] = v[offset:offset + s].transpose(0, 1)
+            outs.append(_attend_prompt(layer.self_attn, q[offset:offset + s], kbuf[i, :, width - n:],
+                                       vbuf[i, :, width - n:], h))
+            offset += s
+        keys.append(kbuf)
+        values.append(vbuf)
+        x = _finish_layer(layer, x, torch.cat(outs))
+    last = torch.tensor(lens, device=device).sub(torch.tensor(n_prefix, device=device)).cumsum(0) - 1
+    return _logits(model, x.index_select(0, last)), keys, values, torch.tensor(lens, device=device)
+
+
+def _attend_prompt(attn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_prefix: int):
+    """Causal attention of one prompt's s new queries [s, heads, D] over its n keys [kv_heads, n,
+    D] (the first n - s cached). Returns [s, heads * D]."""
+    s = q.shape[0]
+    mask = None
+    if n_prefix:  # causal, aligned to the bottom right: query j sees keys <= n_prefix + j
+        cols = torch.arange(k.shape[1], device=q.device)
+        mask = cols[None, :] <= n_prefix + torch.arange(s, device=q.device)[:, None]
+    out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k[None], v[None], attn_mask=mask,
+                                         is_causal=not n_prefix, scale=attn.scaling, enable_gqa=True)
+    return out[0].transpose(0, 1).reshape(s, -1)
+
+
+@torch.inference_mode()
+def decode(model, tokens: torch.Tensor, kv) -> torch.Tensor:
+    """Logits [B, vocab] of the next token of each row of `kv` (a `BatchKV` with a free column at
+    `kv.end`, where this step's keys and values are written; the caller advances it).
+    tokens: [B] the last sampled token of each row, at position `kv.lens`."""
+    body = model.model
+    rows = tokens.shape[0]
+    x = body.embed_tokens(tokens)                                # [B, hidden]
+    cos, sin = body.rotary_emb(x[None], kv.lens[None])           # [1, B, D]
+    cos, sin = cos[0, :, None], sin[0, :, None]                  # [B, 1, D]
+    bias = kv.bias(dtype=x.dtype)                                # [B, 1, 1, W]
+    for li, layer in enumerate(body.layers):
+        q, k, v = _qkv(layer, x, cos, sin)                       # [B, heads, D]
+        keys, values = kv.write(li, k, v)                        # [B, kv_heads, W, D]
+        # one row's query heads of a group as a query block: [B, kv_heads, G, D] against the
+        # unexpanded cache (no copy of K/V per group), the padding as an additive bias
+        qg = q.view(rows, keys.shape[1], -1, q.shape[-1])
+        out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=bias,
+                                             scale=layer.self_attn.scaling)
+        x = _finish_layer(layer, x, out.reshape(rows, -1))
+    return _logits(model, x)

@@ -1,0 +1,105 @@
+"""Model runners of the embedded engine: how the running batch's rows are prefilled and decoded.
+
+Both keep their rows in the order the scheduler keeps its samples: `join` appends rows, `keep`
+drops rows and returns the new order (old index per new row).
+
+- `KVRunner` (Llama-family models, the default): our own forward (`llama_forward.py`) over our
+  own KV buffers (`kv_cache.BatchKV`). Nothing of transformers' cache API is used.
+- `RecomputeRunner` (every other architecture, or `own_forward=False`): the HF forward over
+  each row's whole context at every step, with no KV cache at all. Quadratic in the length, but
+  it relies only on the forward's public arguments (`input_ids`, `attention_mask`,
+  `position_ids`), so it cannot break with transformers' cache internals either. Meant for
+  correctness on models the fast path does not cover; use vLLM or SGLang for speed on them.
+"""
+import torch
+
+from RL2.rollout import llama_forward
+from RL2.rollout.kv_cache import BatchKV
+
+
+class KVRunner:
+    caches_prefixes = True  # rows' KV can be kept for later prompts (`row_kv`)
+
+    def __init__(self, model, device):
+        self.model, self.device = model, device
+        self.reset()
+
+    def reset(self) -> None:
+        self.kv = BatchKV()
+        self._staged = None
+
+    def prefill(self, prompts: list[list[int]], hits: list[tuple[int, list | None]]) -> torch.Tensor:
+        """Last-token logits [P, vocab] of each prompt; hits[i] = (cached tokens, their KV)."""
+        logits, *self._staged = llama_forward.prefill(
+            self.model, [p[n:] for p, (n, _) in zip(prompts, hits)], [kv for _, kv in hits], self.device)
+        return logits
+
+    def join(self, src: list[int], room: int) -> None:
+        """Add rows for prompts `src` (indices into the last prefill; repeats allowed) with
+        `room` decode columns reserved."""
+        keys, values, lens = self._staged
+        idx = torch.tensor(src, device=self.device)
+        self.kv.add([k.index_select(0, idx) for k in keys], [v.index_select(0, idx) for v in values],
+                    lens.index_select(0, idx), room=room)
+        self._staged = None
+
+    def decode(self, last: torch.Tensor) -> torch.Tensor:
+        self.kv.reserve(1)
+        logits = llama_forward.decode(self.model, last, self.kv)
+        self.kv.advance()
+        return logits
+
+    def keep(self, rows: list[int]) -> list[int]:
+        return self.kv.compact(rows)
+
+    def token_bytes(self) -> int:
+        return self.kv.token_bytes()
+
+    def row_kv(self, row: int) -> tuple[list, int]:
+        """(per-layer (keys, values) of one row's cached tokens, their bytes)."""
+        return self.kv.row(row), int(self.kv.lens[row]) * self.kv.token_bytes()
+
+
+class RecomputeRunner:
+    caches_prefixes = False
+
+    def __init__(self, model, device):
+        self.model, self.device = model, device
+        self.reset()
+
+    def reset(self) -> None:
+        self.contexts: list[list[int]] = []
+        self._staged = None
+
+    @torch.inference_mode()
+    def _forward(self, seqs: list[list[int]]) -> torch.Tensor:
+        width = max(map(len, seqs))
+        ids = torch.tensor([[0] * (width - len(s)) + s for s in seqs], device=self.device)
+        mask = torch.tensor([[0] * (width - len(s)) + [1] * len(s) for s in seqs], device=self.device)
+        positions = (mask.cumsum(1) - 1).clamp(min=0)  # left padding shifts no position
+        return self.model(input_ids=ids, attention_mask=mask, position_ids=positions,
+                          use_cache=False).logits[:, -1]
+
+    def prefill(self, prompts, hits) -> torch.Tensor:
+        self._staged = prompts
+        return self._forward(prompts)
+
+    def join(self, src: list[int], room: int) -> None:
+        self.contexts += [list(self._staged[i]) for i in src]
+        self._staged = None
+
+    def decode(self, last: torch.Tensor) -> torch.Tensor:
+        for context, token in zip(self.contexts, last.tolist()):
+            context.append(token)
+        return self._forward(self.contexts)
+
+    def keep(self, rows: list[int]) -> list[int]:
+        self.contexts = [self.contexts[j] for j in rows]
+        return rows
+
+
+def make_runner(model, device, own_forward: bool = True):
+    if own_forward and llama_forward.supports(model):
+        return KVRunner(model, device)
+    return RecomputeRunner(model, device)
+

@@ -98,6 +98,12 @@ def _numel(shape) -> int:
     return n
 
 
+def _piece(buffer: torch.Tensor, offset: int, shape, dtype: torch.dtype) -> torch.Tensor:
+    """A typed view of `buffer` (uint8) starting at byte `offset`."""
+    nbytes = _numel(shape) * dtype.itemsize
+    return buffer[offset:offset + nbytes].view(dtype).view(shape)
+
+
 def _shard_index(tensor: torch.Tensor):
     """Slices of the full tensor held by this rank, or None when an equal replica on another rank
     writes it (the replica at coordinate 0 of every Replicate mesh dim writes)."""
@@ -303,6 +309,53 @@ class WeightSync:
         for name, tensor in self._params.items():
             yield name, _cast(_local(tensor), self.dtype)
 
+    # ------------------------------------------------------------------ gather
+    def _setup_gather(self) -> None:
+        """Bucket layout and, once, which part of every tensor each rank packs (one object
+        all-gather): per bucket and rank, the (region, slices, byte offset) pieces."""
+        self._regions = self._plan(self.bucket_bytes)
+        indices = [None] * dist.get_world_size()
+        dist.all_gather_object(indices, [r.index for r in self._regions])
+        n_buckets = self._regions[-1].bucket + 1 if self._regions else 0
+        self._pieces = [[[] for _ in indices] for _ in range(n_buckets)]
+        self._segment = [0] * n_buckets  # bytes every rank contributes to a bucket (padded)
+        for q, rank_indices in enumerate(indices):
+            used = [0] * n_buckets
+            for i, (r, index) in enumerate(zip(self._regions, rank_indices)):
+                if index is None:
+                    continue
+                nbytes = _numel(s.stop - s.start for s in index) * r.dtype.itemsize
+                self._pieces[r.bucket][q].append((i, index, used[r.bucket]))
+                used[r.bucket] += -(-nbytes // _ALIGN) * _ALIGN
+            self._segment = [max(a, b) for a, b in zip(self._segment, used)]
+
+    def _stream_gathered(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """One flat all-gather per bucket (NCCL on GPU, gloo on CPU): every rank packs the shards
+        it owns (`_shard_index`: replicas send nothing) into one byte buffer, and cuts the full
+        tensors out of the concatenation of all ranks' buffers."""
+        if self._regions is None:
+            self._setup_gather()
+        rank, world = dist.get_rank(), dist.get_world_size()
+        device = next(iter(self._params.values())).device
+        for bucket, pieces in enumerate(self._pieces):
+            seg = self._segment[bucket]
+            send = torch.empty(seg, dtype=torch.uint8, device=device)
+            for i, index, offset in pieces[rank]:
+                local = _cast(_raw_local(self._params[self._regions[i].name]).detach(), self.dtype)
+                _piece(send, offset, local.shape, local.dtype).copy_(local)
+            recv = torch.empty(world * seg, dtype=torch.uint8, device=device)
+            dist.all_gather_single(recv, send)
+            full = {}
+            for q in range(world):
+                for i, index, offset in pieces[q]:
+                    r = self._regions[i]
+                    if i not in full:
+                        full[i] = torch.empty(r.shape, dtype=r.dtype, device=device)
+                    part = full[i][index]
+                    part.copy_(_piece(recv, q * seg + offset, part.shape, r.dtype))
+            for i in sorted(full):
+                yield self._regions[i].name, full[i]
+
     # ------------------------------------------------------------------ shared memory
     def _plan(self, bucket_bytes: int) -> list[_Region]:
         """Bucket layout (same on every rank: it depends on names, shapes and dtypes only)."""
@@ -363,7 +416,7 @@ class WeightSync:
             if self._regions is None:
                 self._setup_shm(shared=False)
             return self._stream_buckets()
-        return iter_full_tensors(self.model, self.dtype)
+        return self._stream_gathered()
 
     def _choose_mode(self, engine) -> bool:
         """Shared weights when every engine can use them and the model fits (a collective)."""

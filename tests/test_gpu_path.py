@@ -45,7 +45,7 @@ def _device_audit(rank, world):
     from types import SimpleNamespace
     from unittest import mock
 
-    from RL2.parallel import collectives, tensor_parallel
+    from RL2.parallel import collectives
     from RL2.rollout.weight_sync import WeightSync
     from RL2.workers.worker import Worker
 
@@ -64,11 +64,10 @@ def _device_audit(rank, world):
     sync._plan = lambda size: []
     cases = {
         "all_reduce_metric": lambda: worker.all_reduce_metric(1.0),
-        "grad_norm": lambda: tensor_parallel.grad_norm_and_clip([param], 1.0),
+        "grad_norm": lambda: collectives.grad_norm_and_clip([param], 1.0),
         "weight_sync_mode": lambda: sync._choose_mode(None),
     }
     with mock.patch.object(collectives, "group_device", lambda group=None: meta), \
-            mock.patch.object(tensor_parallel, "group_device", lambda group=None: meta), \
             mock.patch.object(dist, "all_reduce", _fake_collective("all_reduce", seen)):
         for name, fn in cases.items():
             try:

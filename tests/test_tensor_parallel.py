@@ -7,7 +7,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from RL2.parallel import vocab_logps
-from RL2.parallel.tensor_parallel import apply_tp, grad_norm_and_clip, validate_tp
+from RL2.parallel.collectives import grad_norm_and_clip
+from RL2.parallel.tensor_parallel import apply_tp, validate_tp
 from RL2.parallel.vocab_logps import logps_and_entropy
 from tests.dist_utils import run_dist
 

@@ -1,19 +1,15 @@
 """Applies DTensor tensor parallelism (Megatron-style TP) to HF Qwen2/Qwen3/Llama/Mistral models,
 from a table of per-layer plans keyed by model type.
 
-Also: gradient clipping across meshes. (Log-probs from vocab-sharded logits: vocab_logps.py.)
+(Log-probs from vocab-sharded logits: vocab_logps.py; gradient clipping across meshes:
+collectives.py.)
 """
 import logging
-import math
 
-import torch
-import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module)
-
-from RL2.parallel.collectives import check_device, group_device
 
 logger = logging.getLogger(__name__)
 
@@ -121,47 +117,3 @@ def _localize_head_counts(attn: nn.Module, tp_size: int):
     for name in ("num_heads", "num_attention_heads", "num_key_value_heads"):
         if isinstance(getattr(attn, name, None), int):
             setattr(attn, name, getattr(attn, name) // tp_size)
-
-
-@torch.no_grad()
-def grad_norm_and_clip(params, max_norm: float | None) -> float:
-    """Total L2 norm of the gradients of `params` (any mix of meshes / placements), then clip.
-
-    Steps:
-    1. per gradient, the squared L2 norm of the local shard (Partial grads are first reduced);
-    2. sum these per set of process groups the gradient is sharded over (replicated mesh dims
-       hold copies and are not reduced; plain tensors are treated as replicated);
-    3. all-reduce each sum over its groups, add up: every rank gets the same total;
-    4. if max_norm > 0 and the norm is finite, scale every gradient by min(1, max_norm / norm).
-    A non-finite norm leaves gradients untouched; callers should skip the optimizer step.
-    """
-    grads = [p.grad for p in params if p.grad is not None]
-    buckets: dict[tuple, torch.Tensor] = {}
-    for g in grads:
-        groups = ()
-        if isinstance(g, DTensor):
-            if any(isinstance(pl, Partial) for pl in g.placements):
-                g = g.redistribute(placements=[Replicate() if isinstance(pl, Partial) else pl
-                                               for pl in g.placements])
-            mesh = g.device_mesh
-            # Any non-Replicate dim is sharded (FSDP x TP uses _StridedShard, not a Shard).
-            groups = tuple(mesh.get_group(d) for d, pl in enumerate(g.placements)
-                           if not pl.is_replicate() and mesh.size(d) > 1)
-            g = g.to_local()
-        sq = g.to(torch.promote_types(g.dtype, torch.float32)).pow(2).sum().to(torch.float64)
-        # Insertion order is the parameter order, the same on every rank: collectives line up.
-        buckets[groups] = buckets.get(groups, 0) + sq
-    total = 0.0
-    for groups, sq in buckets.items():
-        for group in groups:
-            # grads may live on the CPU (offload_params) while NCCL serves CUDA only
-            sq = sq.to(group_device(group))
-            dist.all_reduce(check_device(sq, group), group=group)
-        total += sq.item()
-    norm = math.sqrt(total)
-    if max_norm is not None and max_norm > 0 and math.isfinite(norm):
-        coef = max_norm / (norm + 1e-6)
-        if coef < 1.0:
-            for g in grads:
-                g.mul_(coef)
-    return norm

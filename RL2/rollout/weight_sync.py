@@ -38,6 +38,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
+from RL2.parallel.collectives import group_device
+
 logger = logging.getLogger(__name__)
 
 TRANSPORTS = ("auto", "local", "shm", "gather")
@@ -336,7 +338,7 @@ class WeightSync:
         if self._regions is None:
             self._setup_gather()
         rank, world = dist.get_rank(), dist.get_world_size()
-        device = next(iter(self._params.values())).device
+        device = group_device()  # CUDA for NCCL even when parameters are offloaded to the CPU
         for bucket, pieces in enumerate(self._pieces):
             seg = self._segment[bucket]
             send = torch.empty(seg, dtype=torch.uint8, device=device)

@@ -134,7 +134,7 @@ class Worker:
 
     def step(self) -> float:
         """Clip by the global grad norm, take an optimizer step; returns the pre-clip norm."""
-        from RL2.parallel.tensor_parallel import grad_norm_and_clip
+        from RL2.parallel.collectives import grad_norm_and_clip
 
         params = [p for p in self.model.parameters() if p.grad is not None]
         grad_norm = grad_norm_and_clip(params, self.cfg.max_grad_norm)

@@ -1,7 +1,8 @@
 """Cost of running sync env hooks in worker processes (`actor.rollout.env_workers`) instead of
 in-process threads: the rollout of many multi-turn trajectories on the calculator env, and
-single-step math (math-verify) grading, with an engine that answers instantly from a script, so
-the table shows env + trajectory overhead only (a real engine's generation time comes on top).
+single-step math (math-verify) grading, with an engine that answers instantly from a script
+(tests/fakes.ScriptedEngine), so the table shows env + trajectory overhead only (a real engine's
+generation time comes on top).
 
     python -m benchmarks.bench_env [--trajectories 64] [--repeats 5] [--workers 4]
 """
@@ -12,44 +13,27 @@ import os
 import time
 
 from benchmarks.common import median, table
-from RL2.rollout.engine import Engine, GenerationOutput, SamplingParams
+from RL2.rollout.engine import SamplingParams
 from RL2.rollout.env import load_env
 from RL2.rollout.trajectory import run_trajectory
 from RL2.tools.make_assets import build_tokenizer
+from tests.fakes import ScriptedEngine
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CALCULATOR_TURNS = ["<calculator>12*(3+4)</calculator>", "<calculator>84/2</calculator>",
                     "<answer>42</answer>"]
 
 
-class InstantEngine(Engine):
-    """Answers turn k of every trajectory with texts[k] (token ids, zero log-probs)."""
-
-    def __init__(self, tokenizer, texts):
-        self.ids = [tokenizer.encode(t, add_special_tokens=False) for t in texts]
-
-    async def generate(self, prompt_ids, params):
-        k = params.seed % 1_000_003  # run_trajectory's per-turn seed is seed * 1_000_003 + turn
-        ids = self.ids[min(k, len(self.ids) - 1)]
-        await asyncio.sleep(0)  # a real engine yields to the loop
-        return [GenerationOutput(list(ids), [0.0] * len(ids), "stop")]
-
-    def update_weights(self, named_tensors):
-        pass
-
-    def release_memory(self, tags=None):
-        pass
-
-    def resume_memory(self, tags=None):
-        pass
-
-    def shutdown(self):
-        pass
+def by_turn(n_texts: int):
+    """A ScriptedEngine `pick` answering turn k with texts[k]: every trajectory plays the same
+    script, so the prompt length of a call names its turn (lengths grow turn by turn)."""
+    turns: dict[int, int] = {}
+    return lambda prompt_ids: min(turns.setdefault(len(prompt_ids), len(turns)), n_texts - 1)
 
 
 def rollout_seconds(env, tok, texts, n: int, max_turns: int) -> float:
     prompt_ids = tok.encode("What is 12*(3+4)/2?", add_special_tokens=False)
-    engine = InstantEngine(tok, texts)
+    engine = ScriptedEngine(tok, texts, pick=by_turn(len(texts)))
 
     async def main():
         jobs = [run_trajectory(engine, tok, env, {"prompt_ids": prompt_ids, "prompt_text": "What is 12*(3+4)/2?",

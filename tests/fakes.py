@@ -1,20 +1,25 @@
-"""Test doubles shared by the rollout tests (no model involved)."""
+"""Test doubles shared by the rollout tests and benchmarks (no model involved)."""
+import asyncio
+
 from RL2.rollout.engine import Engine, GenerationOutput
 
 
 class ScriptedEngine(Engine):
-    """Returns the tokenisation of scripted texts, one per generate call; the logprob of token i
-    of call k is -(k+1) - 0.01*i, so tests can tell which call and position each came from.
+    """Answers call k with the tokenisation of texts[k], or of texts[pick(prompt_ids)] when
+    `pick` is given (e.g. by turn, when many trajectories run at once); the logprob of token i of
+    call k is -(k+1) - 0.01*i, so tests can tell which call and position each came from.
     `calls` records (prompt_ids, params) of every call."""
 
-    def __init__(self, tokenizer, texts):
-        self.tokenizer, self.texts, self.calls = tokenizer, list(texts), []
+    def __init__(self, tokenizer, texts, pick=None):
+        self.ids = [tokenizer.encode(t, add_special_tokens=False) for t in texts]
+        self.pick, self.calls = pick, []
 
     async def generate(self, prompt_ids, params):
         k = len(self.calls)
         self.calls.append((list(prompt_ids), params))
-        ids = self.tokenizer.encode(self.texts[k], add_special_tokens=False)
-        return [GenerationOutput(ids, [-(k + 1) - 0.01 * i for i in range(len(ids))], "stop")]
+        ids = self.ids[self.pick(prompt_ids) if self.pick else k]
+        await asyncio.sleep(0)  # a real engine yields to the loop
+        return [GenerationOutput(list(ids), [-(k + 1) - 0.01 * i for i in range(len(ids))], "stop")]
 
     def update_weights(self, named_tensors):
         pass
@@ -47,11 +52,23 @@ class ScriptedEngine(Engine):
 # - Writing or sampling with released weight / KV memory is undefined on a GPU (garbage or a
 #   CUDA fault); the fake raises.
 # ---------------------------------------------------------------------------------------------
-import asyncio
 import os
 import pickle
 
 SGLANG_TAGS = ("kv_cache", "weights", "cuda_graph")  # sglang/srt/constants.py GPU_MEMORY_ALL_TYPES
+# The `sglang.Engine` methods RL2/rollout/sglang_engine.py (and FakeSGLang) use, with the keyword
+# parameters passed to each: checked against the 0.5.23 source (tests/test_sglang_source.py) and,
+# where sglang is installed, the imported class (tests/test_sglang_contract.py).
+SGLANG_ENGINE_METHODS = {
+    "async_generate": {"input_ids", "sampling_params", "return_logprob"},
+    "update_weights_from_tensor": {"named_tensors", "load_format", "flush_cache"},
+    "begin_weight_update": set(),
+    "end_weight_update": set(),
+    "release_memory_occupation": {"tags"},
+    "resume_memory_occupation": {"tags"},
+    "flush_cache": set(),
+    "shutdown": set(),
+}
 
 
 class FakeSGLang:

@@ -66,6 +66,7 @@ def parallel_cases(layouts) -> list:
 # gives every layout it runs a per-device token budget (its sequence lengths decide how many
 # micro-batches a budget makes).
 LAYOUTS = {
+    "serial": (1, {}),
     "fsdp2": (2, {}),
     "sp2": (2, {"sp_size": 2}),
     "tp2": (2, {"tp_size": 2}),
@@ -74,13 +75,17 @@ LAYOUTS = {
     "dp2xsp2": (4, {"sp_size": 2}),
     "tp2xfsdp2": (4, {"tp_size": 2}),
     "tp2xsp2": (4, {"tp_size": 2, "sp_size": 2}),
+    "ddp2xtp2": (4, {"ddp_size": 2, "tp_size": 2}),
 }
 
 
-def layout(name: str, budget: int) -> tuple[int, list[str]]:
-    """(processes, actor.* overrides) of layout `name` with actor.max_length_per_device=budget."""
+def layout(name: str, budget: int | None = None, worker: str = "actor") -> tuple[int, list[str]]:
+    """(processes, `worker`.* overrides) of layout `name`, with max_length_per_device=budget
+    unless budget is None."""
     nproc, keys = LAYOUTS[name]
-    return nproc, [f"actor.{k}={v}" for k, v in {**keys, "max_length_per_device": budget}.items()]
+    if budget is not None:
+        keys = {**keys, "max_length_per_device": budget}
+    return nproc, [f"{worker}.{k}={v}" for k, v in keys.items()]
 
 
 def sft_args(assets, *extra):

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from tests.dist_utils import run_dist
+from tests.run_utils import LAYOUTS, layout
 
 BASE = [
     "data.train.path=unused", "actor.rollout.env_path=unused", "actor.lr=1e-3", "critic.lr=1e-3",
@@ -24,13 +25,15 @@ BASE = [
     "actor.update_per_rollout=2", "critic.clip=0.05", "actor.max_grad_norm=null",
     "critic.max_grad_norm=null",
 ]
-LAYOUTS = {
-    1: {"serial": []},
-    2: {"fsdp2": ["max_length_per_device=64"], "sp2": ["sp_size=2", "max_length_per_device=40"]},
-    4: {"ddp2_fsdp2": ["ddp_size=2", "max_length_per_device=64"],
-        "dp2_sp2": ["sp_size=2", "max_length_per_device=40"],
-        "tp2_dp2": ["tp_size=2", "max_length_per_device=48"]},
-}
+# The layouts (tests/run_utils.LAYOUTS) and each one's per-device token budget (None: the default,
+# one micro-batch per step for the serial reference).
+BUDGETS = {"serial": None, "fsdp2": 64, "sp2": 40, "ddp2xfsdp2": 64, "dp2xsp2": 40, "tp2xfsdp2": 48}
+
+
+def names(world_size: int) -> list[str]:
+    return [name for name in BUDGETS if LAYOUTS[name][0] == world_size]
+
+
 DTYPES = {"float64": 1e-10, "float32": 1e-5}
 VARIANTS = {  # on top of BASE; clips chosen so that some sequences / weights are clipped, some not
     "gspo": ["actor.policy_loss=gspo", "actor.clip=0.05", "actor.clip_high=0.05", "actor.avg_level=sequence"],
@@ -75,9 +78,10 @@ def _update_every_layout(rank, world_size, model_path):
 
     torch.set_num_threads(1)
     results = {}
-    for name, layout in LAYOUTS[world_size].items():
+    for name in names(world_size):
         for dtype in DTYPES:
-            overrides = [f"{w}.{o}" for w in ("actor", "critic") for o in layout + [f"dtype={dtype}"]]
+            overrides = [o for w in ("actor", "critic")
+                         for o in layout(name, BUDGETS[name], w)[1] + [f"{w}.dtype={dtype}"]]
             cfg = load_config("ppo", BASE + [f"actor.model_name={model_path}"] + overrides + AVG_LEVELS[dtype])
             actor = Actor(cfg.actor, "cpu", total_steps=4, seed=0)
             critic = Critic(cfg.critic, "cpu", total_steps=4, seed=0)
@@ -92,7 +96,7 @@ def _update_every_layout(rank, world_size, model_path):
             results[(name, dtype)] = out
             del actor, critic
         for variant, extra in VARIANTS.items():
-            overrides = [f"actor.{o}" for o in layout + ["dtype=float64"]]
+            overrides = layout(name, BUDGETS[name])[1] + ["actor.dtype=float64"]
             cfg = load_config("ppo", BASE + [f"actor.model_name={model_path}"] + overrides + extra)
             actor = Actor(cfg.actor, "cpu", total_steps=4, seed=0)
             samples = fixed_batch(actor.config.vocab_size)
@@ -128,8 +132,8 @@ def test_gspo_and_cispo_updates_clip_some_tokens_not_all(launches):
         assert 0.05 < ref["actor/clip_ratio"] < 0.95 and ref["actor/grad_norm"] > 0, (variant, ref)
 
 
-@pytest.mark.parametrize("world_size,name", [(2, n) for n in LAYOUTS[2]] + [
-    pytest.param(4, n, marks=pytest.mark.slow) for n in LAYOUTS[4]])
+@pytest.mark.parametrize("world_size,name", [(2, n) for n in names(2)] + [
+    pytest.param(4, n, marks=pytest.mark.slow) for n in names(4)])
 @pytest.mark.parametrize("dtype", list(DTYPES) + list(VARIANTS))
 def test_parallel_update_equals_serial(launches, world_size, name, dtype):
     ref, got = launches[1][("serial", dtype)], launches[world_size][(name, dtype)]

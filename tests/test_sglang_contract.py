@@ -22,7 +22,7 @@ from RL2.rollout.sglang_engine import SGLangEngine, SGLangPeer, make_buckets, pa
 from RL2.rollout.weight_sync import WeightSync
 from RL2.utils.seeding import derive_seed
 from tests.dist_utils import run_dist
-from tests.fakes import FakeSamplingParams, FakeSGLang, install_fake_sglang
+from tests.fakes import SGLANG_ENGINE_METHODS, FakeSamplingParams, FakeSGLang, install_fake_sglang
 
 HAS_SGLANG = importlib.util.find_spec("sglang") is not None
 ALL = ["weights", "cuda_graph", "kv_cache"]
@@ -261,6 +261,11 @@ def test_each_tp_rank_hands_its_own_copy():
     assert "bad bucket" in failed0 and "bad bucket" in failed1  # every rank raises
 
 
+def test_fake_sglang_has_the_engine_methods():
+    for method, params in SGLANG_ENGINE_METHODS.items():
+        assert params <= set(inspect.signature(getattr(FakeSGLang, method)).parameters), method
+
+
 @pytest.mark.skipif(not HAS_SGLANG, reason="sglang is not installed (optional GPU extra)")
 def test_sglang_api_contract():
     import sglang
@@ -268,17 +273,7 @@ def test_sglang_api_contract():
     from sglang.srt.server_args import ServerArgs
 
     engine = sglang.Engine
-    expected = {
-        "async_generate": {"input_ids", "sampling_params", "return_logprob"},
-        "update_weights_from_tensor": {"named_tensors", "load_format", "flush_cache"},
-        "begin_weight_update": set(),
-        "end_weight_update": set(),
-        "release_memory_occupation": {"tags"},
-        "resume_memory_occupation": {"tags"},
-        "flush_cache": set(),
-        "shutdown": set(),
-    }
-    for method, params in expected.items():
+    for method, params in SGLANG_ENGINE_METHODS.items():
         assert hasattr(engine, method), method
         assert params <= set(inspect.signature(getattr(engine, method)).parameters), method
     assert inspect.iscoroutinefunction(engine.async_generate)

@@ -1,62 +1,25 @@
 """The SGLang facts RL2's adapter and `tests/fakes.py::FakeSGLang` rely on, checked against the
-real sglang 0.5.23 source: the wheel is downloaded with `pip download --no-deps` (cached in
-$RL2_SGLANG_CACHE, default ~/.cache/rl2/sglang-0.5.23) and its Python files are parsed with `ast`
-(no import, no GPU). An API change in the pinned version fails here, not on a user's first GPU run.
-Skips (saying why) only when the wheel cannot be downloaded (offline)."""
+real sglang 0.5.23 source (tests/sources.py: the wheel, cached in $RL2_SGLANG_CACHE, default
+~/.cache/rl2/sglang-0.5.23, parsed with `ast`; no import, no GPU). Skips (saying why) only when
+the wheel cannot be downloaded (offline)."""
 import ast
-import os
-import subprocess
-import sys
 import zipfile
 from pathlib import Path
 
 import pytest
 
 from RL2.rollout import sglang_engine
+from tests.fakes import SGLANG_ENGINE_METHODS
+from tests.sources import cache_dir, download, find, params, tree
 
 SGLANG = "sglang==0.5.23"
 MEMORY_SAVER = "torch_memory_saver==0.0.10"  # what sglang 0.5.23 (>=0.0.9.post1) resolves to today
-CACHE = Path(os.environ.get("RL2_SGLANG_CACHE", Path.home() / ".cache" / "rl2" / "sglang-0.5.23"))
-
-
-def _download(spec: str) -> Path:
-    """The unpacked wheel of `spec` (downloaded once into CACHE)."""
-    name = spec.split("==")[0]
-    done = CACHE / f".{name}-unpacked"
-    if not done.exists():
-        CACHE.mkdir(parents=True, exist_ok=True)
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-cache-dir", spec,
-               "-d", str(CACHE / "wheels")]
-        try:
-            subprocess.run(cmd, check=True, capture_output=True, timeout=600)
-        except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as e:
-            pytest.skip(f"cannot download {spec} (offline?): {getattr(e, 'stderr', b'')[-300:]!r}")
-        wheel = next((CACHE / "wheels").glob(f"{name}-*.whl"))
-        with zipfile.ZipFile(wheel) as z:
-            z.extractall(CACHE, [m for m in z.namelist() if m.startswith(f"{name}/")])
-        done.touch()
-    return CACHE / name
+CACHE = cache_dir("RL2_SGLANG_CACHE", "sglang-0.5.23")
 
 
 @pytest.fixture(scope="module")
 def src() -> Path:
-    return _download(SGLANG)
-
-
-def tree(path: Path) -> ast.Module:
-    return ast.parse(path.read_text())
-
-
-def find(module: ast.AST, name: str, kind=(ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-    for node in ast.walk(module):
-        if isinstance(node, kind) and node.name == name:
-            return node
-    raise AssertionError(f"{name} not found")
-
-
-def params(fn) -> set[str]:
-    a = fn.args
-    return {x.arg for x in a.posonlyargs + a.args + a.kwonlyargs}
+    return download(SGLANG, CACHE)
 
 
 def fields(cls: ast.ClassDef) -> set[str]:
@@ -73,16 +36,7 @@ def test_engine_methods_and_parameters(src):
     assert 'Engine = LazyImport("sglang.srt.entrypoints.engine", "Engine")' in init
     engine = find(tree(src / "srt/entrypoints/engine.py"), "Engine", ast.ClassDef)
     methods = {f.name: f for f in engine.body if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))}
-    expected = {  # what RL2/rollout/sglang_engine.py calls
-        "async_generate": {"input_ids", "sampling_params", "return_logprob"},
-        "update_weights_from_tensor": {"named_tensors", "load_format", "flush_cache"},
-        "begin_weight_update": set(),
-        "end_weight_update": set(),
-        "release_memory_occupation": {"tags"},
-        "resume_memory_occupation": {"tags"},
-        "shutdown": set(),
-    }
-    for name, needed in expected.items():
+    for name, needed in SGLANG_ENGINE_METHODS.items():
         assert name in methods, name
         assert needed <= params(methods[name]), (name, params(methods[name]))
     assert isinstance(methods["async_generate"], ast.AsyncFunctionDef)
@@ -171,7 +125,7 @@ def test_torchrun_agent_store_variable():
 
 def test_memory_saver_refuses_double_pause_and_resume():
     """The torch_memory_saver rules FakeSGLang enforces, from its compiled messages."""
-    root = _download(MEMORY_SAVER).parent
+    root = download(MEMORY_SAVER, CACHE).parent
     blobs = b"".join(p.read_bytes() for p in root.glob("torch_memory_saver_hook_mode_*.so"))
     if not blobs:  # the .so files sit next to the package in this wheel
         with zipfile.ZipFile(next((CACHE / "wheels").glob("torch_memory_saver-*.whl"))) as z:

@@ -6,15 +6,11 @@ import pytest
 import torch
 
 from tests.dist_utils import run_dist
+from tests.run_utils import layout as layout_of
 
 TEMPERATURE = 0.7
-LAYOUTS = pytest.mark.parametrize("world,layout", [
-    (1, []),
-    (2, []),
-    (2, ["actor.tp_size=2"]),
-    (2, ["actor.sp_size=2"]),
-    (4, ["actor.ddp_size=2", "actor.tp_size=2"]),
-], ids=["single", "fsdp2", "tp2", "sp2", "ddp2xtp2"])
+NAMES = ["serial", "fsdp2", "tp2", "sp2", "ddp2xtp2"]  # of tests/run_utils.LAYOUTS
+LAYOUTS = pytest.mark.parametrize("world,layout", [layout_of(name) for name in NAMES], ids=NAMES)
 
 
 def _sync_and_compare(rank, world, model_dir, data_path, layout):

@@ -151,8 +151,9 @@ def packed_attention_forward(
 
 @lru_cache(maxsize=None)
 def _flash_varlen():
-    """flash_attn.flash_attn_varlen_func, or None. Written against flash-attn 2.x (GQA via fewer
-    K/V heads, (total, heads, dim) layout); untested here: no GPU on the development machines."""
+    """flash_attn.flash_attn_varlen_func, or None. Its signature, (total, heads, dim) layout and
+    GQA (fewer K/V heads) were read in flash-attn 2.8.3's source, which tests/test_flash_source.py
+    checks against this call; the call itself has never run (no GPU here)."""
     try:
         from flash_attn import flash_attn_varlen_func
     except ImportError:

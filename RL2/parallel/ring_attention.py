@@ -17,8 +17,9 @@ at exit after P2P otherwise). Per block it materialises a (heads, c, c) score ma
 for CPU and tests; GPUs should use ring-flash-attn.
 
 On CUDA with `ring_flash_attn` installed, `ring_attention` calls its
-`zigzag_ring_flash_attn_varlen_func` instead (same layout; written against ring-flash-attn 0.1.8,
-untested here: no GPU on the development machines).
+`zigzag_ring_flash_attn_varlen_func` instead (same zig-zag layout). Its signature and layout
+were read in ring-flash-attn 0.1.8's source, which tests/test_flash_source.py checks against this
+call; the call itself has never run (no GPU here).
 """
 from __future__ import annotations
 

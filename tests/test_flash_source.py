@@ -1,0 +1,62 @@
+"""The flash-attn 2.8.3 and ring-flash-attn 0.1.8 functions RL2's CUDA attention calls, checked
+against their real source (tests/sources.py: flash-attn's sdist, ring-flash-attn's wheel, cached
+in $RL2_FLASH_CACHE, default ~/.cache/rl2/flash-sources; parsed with `ast`, no import, no GPU):
+the exported name, the positional parameters RL2 fills by position, the keywords it passes, and
+the documented layout. Skips (saying why) only when a download fails (offline)."""
+import ast
+from pathlib import Path
+
+import pytest
+
+from tests.sources import cache_dir, download, find, params, positional, tree
+
+ROOT = Path(__file__).resolve().parents[1]
+CACHE = cache_dir("RL2_FLASH_CACHE", "flash-sources")
+# flash-attn publishes no wheel on PyPI: the sdist's metadata step must not compile CUDA.
+NO_BUILD = {"FLASH_ATTENTION_SKIP_CUDA_BUILD": "TRUE"}
+
+
+def call_site(path: Path, callee: str) -> ast.Call:
+    """The one call of the local name `callee` in an RL2 module."""
+    calls = [n for n in ast.walk(tree(path)) if isinstance(n, ast.Call)
+             and isinstance(n.func, ast.Name) and n.func.id == callee]
+    assert len(calls) == 1, (path, callee, len(calls))
+    return calls[0]
+
+
+def check_call(call: ast.Call, fn: ast.FunctionDef, by_position: list[str]) -> None:
+    """RL2's call fills exactly `by_position` positionally, and passes only known keywords."""
+    assert positional(fn)[:len(call.args)] == by_position, positional(fn)
+    keywords = {k.arg for k in call.keywords}
+    assert keywords <= params(fn) and not keywords & set(by_position), keywords
+
+
+def test_flash_attn_varlen_func():
+    src = download("flash-attn==2.8.3", CACHE, env=NO_BUILD)
+    assert "flash_attn_varlen_func," in (src / "__init__.py").read_text()
+    fn = find(tree(src / "flash_attn_interface.py"), "flash_attn_varlen_func", ast.FunctionDef)
+    call = call_site(ROOT / "RL2/parallel/attention.py", "flash")
+    check_call(call, fn, ["q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k"])
+    doc = ast.get_docstring(fn)
+    # The layout RL2 hands over: (tokens, heads, head_dim), K/V with fewer heads (GQA).
+    assert "q: (total_q, nheads, headdim)" in doc and "k: (total_k, nheads_k, headdim)" in doc
+    assert "grouped-query attention" in doc
+    assert "cu_seqlens_q: (batch_size + 1,), dtype torch.int32" in doc
+
+
+def test_ring_flash_attn_zigzag_varlen_func():
+    src = download("ring-flash-attn==0.1.8", CACHE)
+    assert "zigzag_ring_flash_attn_varlen_func," in (src / "__init__.py").read_text()
+    path = src / "zigzag_ring_flash_attn_varlen.py"
+    fn = find(tree(path), "zigzag_ring_flash_attn_varlen_func", ast.FunctionDef)
+    call = call_site(ROOT / "RL2/parallel/ring_attention.py", "fn")
+    check_call(call, fn, ["q", "k", "v", "cu_seqlens", "max_seqlen"])
+    assert "group" in params(fn)
+    # Zig-zag shards: each local sequence is two halves (cu_seqlens // 2), as RL2 splits them.
+    assert "half_cu_seqlens = cu_seqlens // 2" in path.read_text()
+
+
+@pytest.mark.parametrize("module", ["attention.py", "ring_attention.py"])
+def test_modules_name_the_checked_versions(module):
+    text = (ROOT / "RL2/parallel" / module).read_text()
+    assert "tests/test_flash_source.py" in text

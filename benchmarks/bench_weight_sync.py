@@ -7,7 +7,7 @@ Layouts run in real gloo process groups (tests/dist_utils.run_dist): 1 rank (FSD
 rank), 2-rank FSDP, 2-rank TP. Every rank holds an engine (a separate plain HF model, as in the
 PPO trainer with the torch engine). The sync is a `WeightSync` built once, as in a training run:
 "auto" picks the transport (local on one rank, shared memory on one host); "gather" is the
-per-parameter all-gather (the previous default, and the multi-host / GPU path). Baselines on
+flat all-gather, one per bucket (the multi-host / GPU path). Baselines on
 rank 0: memcpy, one contiguous copy of the same number of bytes (the floor for any sync), and
 per-tensor copy, `dst.copy_(src)` for every tensor of the full state dict into the engine model
 (what any sync must do locally once full tensors exist). Times are medians of `repeats`
@@ -117,7 +117,7 @@ def run(quick: bool = False, sizes: list[str] | None = None, repeats: int | None
             notes.append(f"- layout world={world} tp={tp} failed: `{last[:300]}`")
     headers = ["layout", "model", "MB", "tensors", "transport (auto)", "sync s", "memcpy s",
                "per-tensor copy s", "sync / memcpy", "sync / per-tensor copy",
-               "copying engines", "copying / memcpy", "per-tensor all-gather / memcpy"]
+               "copying engines", "copying / memcpy", "flat all-gather / memcpy"]
     parts = [f"### Weight sync (fp32; {machine_description('cpu', 1)}; "
              f"median of {repeats})", table(headers, rows)]
     if notes:

@@ -72,13 +72,21 @@ def test_engine_logps_match_trainer_after_sync(assets, world, layout):
         assert r["bytes"] > 0
 
 
+def full_tensors(model):
+    """The reference: DTensor's own all-gather, one per parameter and buffer."""
+    from torch.distributed.tensor import DTensor
+
+    for name, t in model.state_dict().items():
+        yield name, (t.full_tensor() if isinstance(t, DTensor) else t).detach()
+
+
 def _transports_agree(rank, world, model_dir, data_path, layout):
-    """Every transport yields exactly the all-gathered tensors, over several buckets and across
-    consecutive syncs (the shared buckets alternate)."""
+    """Every transport yields exactly DTensor's all-gathered tensors, over several buckets and
+    across consecutive syncs (the shared buckets alternate)."""
     from RL2.data.formats import tokenize_sft
     from RL2.data.io import load_rows
     from RL2.rollout.torch_engine import TorchEngine
-    from RL2.rollout.weight_sync import WeightSync, iter_full_tensors
+    from RL2.rollout.weight_sync import WeightSync
     from RL2.algorithms.sft import sft_update
     from RL2.utils.config import load_config
     from RL2.workers.actor import Actor
@@ -98,7 +106,7 @@ def _transports_agree(rank, world, model_dir, data_path, layout):
     report = {"buckets": None, "mismatch": [], "bf16_ok": True}
     for step in range(2):
         sft_update(actor, batch)  # new weights before each sync
-        ref = {n: t.clone() for n, t in iter_full_tensors(actor.model)}
+        ref = {n: t.clone() for n, t in full_tensors(actor.model)}
         for name, sync in syncs.items():
             got = {n: t.clone() for n, t in sync.stream()}
             if list(got) != list(ref) or any(not torch.equal(got[n], ref[n]) for n in ref):
@@ -110,10 +118,11 @@ def _transports_agree(rank, world, model_dir, data_path, layout):
         if world > 1:
             report["buckets"] = syncs["shm"]._regions[-1].bucket + 1
     report["mode"] = engine_sync.mode
+    report["gather_buckets"] = len(syncs["gather"]._pieces)
     # Writing into a sharing engine gives it its own copy: the trainer's weights (aliased on one
     # rank) stay intact, and the next sync shares again.
     engine.update_weights((n, torch.zeros_like(t)) for n, t in ref.items())
-    intact = all(torch.equal(t, ref[n]) for n, t in iter_full_tensors(actor.model))
+    intact = all(torch.equal(t, ref[n]) for n, t in full_tensors(actor.model))
     engine_sync(engine)
     got = engine.model.state_dict()
     report["unshared_ok"] = intact and all(torch.equal(got[n], ref[n]) for n in ref)
@@ -133,6 +142,7 @@ def test_weight_sync_transports_agree(assets, world, layout):
         assert r["bf16_ok"], r
         assert r["mode"] == ("shared" if world > 1 else "aliased"), r
         assert r["unshared_ok"], r
+        assert r["gather_buckets"] > 1, r
         if world > 1:
             assert r["buckets"] > 1, r  # the small bucket size really split the model
 

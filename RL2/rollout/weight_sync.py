@@ -8,8 +8,8 @@ full tensors are produced (the transport) is chosen once per run by `WeightSync`
   An engine in this process's CPU memory without a dtype cast uses those tensors as its weights
   ("aliased": the optimizer's in-place updates are the sync); other engines copy them.
 - "shm" (CPU, every rank on one host): each rank writes its own shard, at the offset DCP would
-  use, into a shared-memory file mapped by every rank; a gloo all-gather per parameter instead
-  costs a TCP round trip per tensor (20-50x a memcpy). Two modes:
+  use, into a shared-memory file mapped by every rank; gloo moves every byte through loopback
+  TCP instead (a PPO step on SmolLM2-135M, 2 ranks: see benchmarks/README.md). Two modes:
   * shared weights (engines that can, i.e. the torch engine on CPU, when the model fits in
     /dev/shm): the file holds the whole model and the engines use it as their weights. A sync is
     each rank writing its shards (1/world of the model) between two barriers; no engine copy,
@@ -17,7 +17,8 @@ full tensors are produced (the transport) is chosen once per run by `WeightSync`
   * buckets (otherwise): two bounded buckets used in turn; one barrier marks a bucket complete
     and every engine copies full tensors out of it.
   The barriers go over named pipes (a pipe round trip is far cheaper than a gloo all-reduce).
-- "gather": one `full_tensor()` all-gather per parameter (NCCL on GPU; the multi-host fallback).
+- "gather": one flat all-gather per bucket of the shards each rank owns (NCCL on GPU; the
+  multi-host fallback).
 
 Every rank walks the state dict in the same order (the transports are collectives), so a sync
 must run outside any rollout coroutine.
@@ -45,15 +46,6 @@ logger = logging.getLogger(__name__)
 TRANSPORTS = ("auto", "local", "shm", "gather")
 SHM_DIR = "/dev/shm"
 _ALIGN = 64  # region alignment in the shared file: any dtype view is legal, cache lines not shared
-
-
-def iter_full_tensors(model, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, full tensor) for every parameter and buffer of a sharded model; one all-gather
-    per DTensor (a collective)."""
-    for name, tensor in model.state_dict().items():
-        if isinstance(tensor, DTensor):
-            tensor = tensor.full_tensor()
-        yield name, _cast(tensor.detach(), dtype)
 
 
 def _cast(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:

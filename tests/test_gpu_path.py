@@ -46,6 +46,7 @@ def _device_audit(rank, world):
     from unittest import mock
 
     from RL2.parallel import collectives
+    from RL2.rollout import weight_sync
     from RL2.rollout.weight_sync import WeightSync
     from RL2.workers.worker import Worker
 
@@ -62,13 +63,19 @@ def _device_audit(rank, world):
     sync = WeightSync.__new__(WeightSync)
     sync.share, sync.model_bytes, sync._shm_free = False, 0, 0
     sync._plan = lambda size: []
+    owner = torch.nn.Module()
+    owner.weight = param
+    gather = WeightSync(owner, "gather")  # the CPU shards are packed on the group's device
     cases = {
         "all_reduce_metric": lambda: worker.all_reduce_metric(1.0),
         "grad_norm": lambda: collectives.grad_norm_and_clip([param], 1.0),
         "weight_sync_mode": lambda: sync._choose_mode(None),
+        "weight_sync_gather": lambda: list(gather.stream()),
     }
     with mock.patch.object(collectives, "group_device", lambda group=None: meta), \
-            mock.patch.object(dist, "all_reduce", _fake_collective("all_reduce", seen)):
+            mock.patch.object(weight_sync, "group_device", lambda group=None: meta), \
+            mock.patch.object(dist, "all_reduce", _fake_collective("all_reduce", seen)), \
+            mock.patch.object(dist, "all_gather_single", _fake_collective("all_gather_single", seen)):
         for name, fn in cases.items():
             try:
                 fn()
@@ -82,7 +89,8 @@ def _device_audit(rank, world):
 
 def test_collectives_use_the_group_device():
     results = run_dist(_device_audit, 2)[0]
-    assert results == {"all_reduce_metric": "ok", "grad_norm": "ok", "weight_sync_mode": "ok"}
+    assert results == {"all_reduce_metric": "ok", "grad_norm": "ok", "weight_sync_mode": "ok",
+                       "weight_sync_gather": "ok"}
 
 
 def test_check_device_names_the_mismatch(monkeypatch):

@@ -26,12 +26,9 @@ must run outside any rollout coroutine.
 from __future__ import annotations
 
 import logging
-import mmap
 import os
-import select
 import socket
 import time
-import uuid
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -40,11 +37,11 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
 from RL2.parallel.collectives import group_device
+from RL2.rollout.shm import SHM_DIR, SharedFile
 
 logger = logging.getLogger(__name__)
 
 TRANSPORTS = ("auto", "local", "shm", "gather")
-SHM_DIR = "/dev/shm"
 _ALIGN = 64  # region alignment in the shared file: any dtype view is legal, cache lines not shared
 
 
@@ -115,112 +112,6 @@ def _shard_index(tensor: torch.Tensor):
     return tuple(slice(o, o + s) for o, s in zip(offset, shape))
 
 
-class _PipeBarrier:
-    """A barrier for the ranks of one host over named pipes, rank 0 the hub: a pipe round trip
-    is several times cheaper than a gloo all_reduce over loopback TCP. The kernel's pipe
-    locking orders each rank's shared-memory writes before the barrier ahead of any read after
-    it, on any CPU architecture. The pipes are created by rank 0 (`paths`) before construction."""
-
-    TIMEOUT = 1800.0  # seconds, torch's default process-group timeout
-
-    @staticmethod
-    def paths(prefix: str, world: int) -> list[str]:
-        return [f"{prefix}-up"] + [f"{prefix}-down{r}" for r in range(1, world)]
-
-    def __init__(self, prefix: str):
-        self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        paths = self.paths(prefix, self.world)
-        mine = paths if self.rank == 0 else [paths[0], paths[self.rank]]
-        self._fds: list[int] = []
-        # O_RDWR: opening never blocks on the other end being open yet (Linux).
-        for path in mine:
-            self._fds.append(os.open(path, os.O_RDWR))
-        self._up, self._down = self._fds[0], self._fds[1:]
-
-    def _read(self, fd: int, n: int) -> None:
-        poll = select.poll()  # not select(): it fails for descriptors >= 1024
-        poll.register(fd, select.POLLIN)
-        got = 0
-        while got < n:
-            if not poll.poll(self.TIMEOUT * 1000):
-                raise TimeoutError(f"weight sync: rank {self.rank} waited {self.TIMEOUT:.0f} s for "
-                                   "the other ranks of this host (did one of them die?)")
-            got += len(os.read(fd, n - got))
-
-    def wait(self) -> None:
-        if self.world == 1:
-            return
-        if self.rank == 0:
-            self._read(self._up, self.world - 1)
-            for fd in self._down:
-                os.write(fd, b"x")
-        else:
-            os.write(self._up, b"x")
-            self._read(self._down[0], 1)
-
-    def close(self) -> None:
-        for fd in self._fds:
-            try:
-                os.close(fd)
-            except OSError:
-                pass
-        self._fds = []
-
-    def __del__(self):
-        self.close()
-
-
-class _SharedFile:
-    """`halves` buffers of `size` bytes in one shared-memory file mapped by every rank, and a
-    barrier over pipes. The names are removed as soon as every rank has opened them, so nothing
-    is left behind on a crash; a failure on any rank fails every rank (no hang)."""
-
-    def __init__(self, size: int, halves: int):
-        self.size = size
-        rank, world = dist.get_rank(), dist.get_world_size()
-        box = [None, None]  # [path, error creating it]
-        if rank == 0:
-            box[0] = os.path.join(SHM_DIR, f"rl2-weights-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-            try:
-                with open(box[0], "wb") as f:
-                    f.truncate(halves * size)
-                for fifo in _PipeBarrier.paths(box[0], world):
-                    os.mkfifo(fifo, 0o600)
-            except OSError as e:
-                box[1] = f"rank 0 could not create {box[0]}: {e}"
-        dist.broadcast_object_list(box, src=0)
-        path, error = box
-        self._barrier, self._map = None, None
-        if error is None:
-            try:
-                with open(path, "r+b") as f:
-                    self._map = mmap.mmap(f.fileno(), halves * size)
-                self._barrier = _PipeBarrier(path)
-            except OSError as e:
-                error = f"rank {rank} could not open {path}: {e}"
-        # one collective: everyone has opened the names (they can go) and agrees on success
-        errors = [None] * world
-        dist.all_gather_object(errors, error)
-        if rank == 0:
-            for name in [path, *_PipeBarrier.paths(path, world)]:
-                if os.path.exists(name):
-                    os.unlink(name)
-        failed = [e for e in errors if e]
-        if failed:
-            if self._barrier is not None:
-                self._barrier.close()
-            raise RuntimeError("weight sync: shared-memory setup failed: " + "; ".join(failed))
-        self.buffer = torch.frombuffer(self._map, dtype=torch.uint8)
-
-    def view(self, half: int, region: _Region) -> torch.Tensor:
-        start = half * self.size + region.offset
-        return self.buffer[start:start + region.nbytes].view(region.dtype).view(region.shape)
-
-    def collective(self) -> None:
-        """Every rank of the host reached this point; writes before it are visible after it."""
-        self._barrier.wait()
-
-
 class WeightSync:
     """Moves a trainer model's current weights into an engine. Build once per run, on every rank
     of the model's process groups (construction and calls are collectives), after the model is
@@ -244,7 +135,7 @@ class WeightSync:
         # "shared" / "buckets" (shm); None = streamed copies
         self.mode = None
         self._regions: list[_Region] | None = None
-        self._file: _SharedFile | None = None
+        self._file: SharedFile | None = None
         self._views: list[list[torch.Tensor]] = []
         self._used = 0  # buckets written so far: selects the half to write next
         self._shared_with = None  # the engine using the shared weights
@@ -367,7 +258,7 @@ class WeightSync:
         size = self.model_bytes if shared else self.bucket_bytes
         self.mode = "shared" if shared else "buckets"
         self._regions = self._plan(size)
-        self._file = _SharedFile(size, 1 if shared else 2)
+        self._file = SharedFile(size, 1 if shared else 2)
         # views made once: per sync only the copies remain
         self._views = [[self._file.view(h, r) for r in self._regions] for h in range(1 if shared else 2)]
         self._targets = [[v[r.index] if r.index is not None else None for v, r in zip(views, self._regions)]

@@ -1,0 +1,118 @@
+"""The shared-memory transport's host-local pieces (RL2/rollout/weight_sync.py, transport "shm"):
+a file in /dev/shm mapped by every rank of the host, and a barrier over named pipes."""
+import mmap
+import os
+import select
+import uuid
+
+import torch
+import torch.distributed as dist
+
+SHM_DIR = "/dev/shm"
+
+
+class PipeBarrier:
+    """A barrier for the ranks of one host over named pipes, rank 0 the hub: a pipe round trip
+    is several times cheaper than a gloo all_reduce over loopback TCP. The kernel's pipe
+    locking orders each rank's shared-memory writes before the barrier ahead of any read after
+    it, on any CPU architecture. The pipes are created by rank 0 (`paths`) before construction."""
+
+    TIMEOUT = 1800.0  # seconds, torch's default process-group timeout
+
+    @staticmethod
+    def paths(prefix: str, world: int) -> list[str]:
+        return [f"{prefix}-up"] + [f"{prefix}-down{r}" for r in range(1, world)]
+
+    def __init__(self, prefix: str):
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        paths = self.paths(prefix, self.world)
+        mine = paths if self.rank == 0 else [paths[0], paths[self.rank]]
+        self._fds: list[int] = []
+        # O_RDWR: opening never blocks on the other end being open yet (Linux).
+        for path in mine:
+            self._fds.append(os.open(path, os.O_RDWR))
+        self._up, self._down = self._fds[0], self._fds[1:]
+
+    def _read(self, fd: int, n: int) -> None:
+        poll = select.poll()  # not select(): it fails for descriptors >= 1024
+        poll.register(fd, select.POLLIN)
+        got = 0
+        while got < n:
+            if not poll.poll(self.TIMEOUT * 1000):
+                raise TimeoutError(f"weight sync: rank {self.rank} waited {self.TIMEOUT:.0f} s for "
+                                   "the other ranks of this host (did one of them die?)")
+            got += len(os.read(fd, n - got))
+
+    def wait(self) -> None:
+        if self.world == 1:
+            return
+        if self.rank == 0:
+            self._read(self._up, self.world - 1)
+            for fd in self._down:
+                os.write(fd, b"x")
+        else:
+            os.write(self._up, b"x")
+            self._read(self._down[0], 1)
+
+    def close(self) -> None:
+        for fd in self._fds:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self._fds = []
+
+    def __del__(self):
+        self.close()
+
+
+class SharedFile:
+    """`halves` buffers of `size` bytes in one shared-memory file mapped by every rank, and a
+    barrier over pipes. The names are removed as soon as every rank has opened them, so nothing
+    is left behind on a crash; a failure on any rank fails every rank (no hang)."""
+
+    def __init__(self, size: int, halves: int):
+        self.size = size
+        rank, world = dist.get_rank(), dist.get_world_size()
+        box = [None, None]  # [path, error creating it]
+        if rank == 0:
+            box[0] = os.path.join(SHM_DIR, f"rl2-weights-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+            try:
+                with open(box[0], "wb") as f:
+                    f.truncate(halves * size)
+                for fifo in PipeBarrier.paths(box[0], world):
+                    os.mkfifo(fifo, 0o600)
+            except OSError as e:
+                box[1] = f"rank 0 could not create {box[0]}: {e}"
+        dist.broadcast_object_list(box, src=0)
+        path, error = box
+        self._barrier, self._map = None, None
+        if error is None:
+            try:
+                with open(path, "r+b") as f:
+                    self._map = mmap.mmap(f.fileno(), halves * size)
+                self._barrier = PipeBarrier(path)
+            except OSError as e:
+                error = f"rank {rank} could not open {path}: {e}"
+        # one collective: everyone has opened the names (they can go) and agrees on success
+        errors = [None] * world
+        dist.all_gather_object(errors, error)
+        if rank == 0:
+            for name in [path, *PipeBarrier.paths(path, world)]:
+                if os.path.exists(name):
+                    os.unlink(name)
+        failed = [e for e in errors if e]
+        if failed:
+            if self._barrier is not None:
+                self._barrier.close()
+            raise RuntimeError("weight sync: shared-memory setup failed: " + "; ".join(failed))
+        self.buffer = torch.frombuffer(self._map, dtype=torch.uint8)
+
+    def view(self, half: int, region) -> torch.Tensor:
+        """The typed view of buffer `half` where `region` (weight_sync._Region) lives."""
+        start = half * self.size + region.offset
+        return self.buffer[start:start + region.nbytes].view(region.dtype).view(region.shape)
+
+    def collective(self) -> None:
+        """Every rank of the host reached this point; writes before it are visible after it."""
+        self._barrier.wait()

@@ -125,6 +125,13 @@ class WeightSync:
         if transport not in TRANSPORTS:
             raise ValueError(f"weight sync transport must be one of {TRANSPORTS}, got {transport!r}")
         self.model, self.dtype, self.share = model, dtype, share
+        from RL2.workers.lora import scalings
+
+        # LoRA: the engine gets merged HF weights (W + scale * B @ A), streamed and copied (an
+        # engine cannot alias or share tensors that do not exist on the trainer side).
+        self.lora_scaling = scalings(model) or None
+        if self.lora_scaling:
+            self.share = False
         self.bucket_bytes = int(bucket_mb * 2**20)
         self._shm_free = 0
         # The parameter objects, fetched once (FSDP2 keeps its sharded parameters for the whole
@@ -292,6 +299,13 @@ class WeightSync:
     def stream(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, full tensor) of every weight, for engines that copy; consume it completely
         on every rank. Tensors from the shm transport are views valid until the next bucket."""
+        if self.lora_scaling:
+            from RL2.workers.lora import merged_items
+
+            return merged_items(self._stream_full(), self.lora_scaling, copy=self.transport == "shm")
+        return self._stream_full()
+
+    def _stream_full(self) -> Iterator[tuple[str, torch.Tensor]]:
         if self.transport == "local":
             return self._stream_local()
         if self.transport == "shm":

@@ -52,6 +52,23 @@ def load_tokenizer(worker_cfg):
     return tokenizer
 
 
+class AdaptersOff:
+    """A LoRA worker seen as its frozen base model: every method runs with the adapters off."""
+
+    def __init__(self, worker):
+        self.worker = worker
+
+    def __getattr__(self, name):
+        attr = getattr(self.worker, name)
+        if not callable(attr):
+            return attr
+
+        def call(*args, **kw):
+            with self.worker.adapters_disabled():
+                return attr(*args, **kw)
+        return call
+
+
 class Trainer:
     """The loop every trainer shares: step, log, evaluate, save, resume, export.
 
@@ -82,11 +99,16 @@ class Trainer:
         any data or model is loaded."""
         from RL2.parallel.mesh import ParallelDims
 
+        from RL2.workers import lora
+
         check_optimizer_config(self.cfg)
         for name in ("actor", "critic"):
             w = self.cfg.get(name)
             if w is None:
                 continue
+            problems = lora.check_config(w, name)
+            if problems:
+                raise SystemExit("bad LoRA config: " + "; ".join(problems))
             try:
                 ParallelDims(dist.get_world_size(), w.ddp_size, w.tp_size, w.sp_size)
             except ValueError as e:
@@ -148,9 +170,12 @@ class Trainer:
                 totals[k] = totals.get(k, 0.0) + v * len(idx)
         return {f"test/{k}": v / len(data) for k, v in totals.items()}
 
-    def reference_model(self) -> Actor:
+    def reference_model(self):
         """The frozen reference of DPO-style trainers: a copy of actor.model_name with the actor's
-        layout and the `ref:` overrides, built after the actor with the same seed."""
+        layout and the `ref:` overrides, built after the actor with the same seed. With LoRA, the
+        actor itself with its adapters disabled (no second model)."""
+        if self.actor.peft is not None:
+            return AdaptersOff(self.actor)
         ref = OmegaConf.merge(self.cfg.actor, self.cfg.ref)
         ref.gradient_checkpointing = False
         if self.device == "cpu":
@@ -206,7 +231,7 @@ class Trainer:
     def save_final(self):
         for i, (name, w) in enumerate(self.trained_workers().items()):
             out = os.path.join(self.run_dir, "final" if i == 0 else f"final_{name}")
-            checkpoint.save_hf(w.model, out, self.tokenizer)
+            checkpoint.export_worker(w, out, self.tokenizer)
         logger.info(f"saved final model to {os.path.join(self.run_dir, 'final')}")
 
     def fit(self):

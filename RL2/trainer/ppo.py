@@ -27,7 +27,7 @@ from RL2.rollout.env import EnvError, load_env
 from RL2.rollout.producer import INFLIGHT_MODES, Producer, drop_stale
 from RL2.rollout.rollout import Rollout
 from RL2.rollout.weight_sync import TRANSPORTS
-from RL2.trainer.base import Trainer
+from RL2.trainer.base import AdaptersOff, Trainer
 from RL2.utils import checkpoint
 from RL2.utils.seeding import derive_seed
 from RL2.workers.actor import Actor
@@ -159,7 +159,10 @@ class PPOTrainer(Trainer):
             self.sampler = MixtureSampler(mixed[3], mixed[2], r.prompts_per_rollout, cfg.trainer.seed)
         seed = cfg.trainer.seed
         self.actor = Actor(cfg.actor, self.device, total_steps=self.n_steps, seed=seed)
-        self.ref = Actor(cfg.actor, self.device, train=False, seed=seed) if cfg.kl.coef > 0 else None
+        self.ref = None
+        if cfg.kl.coef > 0:  # with LoRA: the actor with adapters off (RL2/trainer/base.py)
+            self.ref = (AdaptersOff(self.actor) if self.actor.peft is not None
+                        else Actor(cfg.actor, self.device, train=False, seed=seed))
         self.critic = None
         if cfg.adv.estimator == "gae":
             from RL2.workers.critic import Critic

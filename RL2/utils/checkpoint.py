@@ -24,9 +24,10 @@ def full_state_dict(model) -> dict:
         model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
-def save_hf(model, out_dir: str, tokenizer=None, dtype: torch.dtype | None = None):
-    """Gather the sharded model and write it as a plain HF checkpoint (rank 0 writes)."""
-    state = full_state_dict(model)
+def save_hf(model, out_dir: str, tokenizer=None, dtype: torch.dtype | None = None, state=None):
+    """Gather the sharded model and write it as a plain HF checkpoint (rank 0 writes).
+    state: the full state dict already gathered (rank 0), HF names."""
+    state = full_state_dict(model) if state is None else state
     if dist.get_rank() == 0:
         os.makedirs(out_dir, exist_ok=True)
         if dtype is not None:
@@ -44,6 +45,30 @@ def save_hf(model, out_dir: str, tokenizer=None, dtype: torch.dtype | None = Non
             tokenizer.save_pretrained(out_dir)
             check_tokenizer_reload(tokenizer, out_dir)
     dist.barrier()
+
+
+def export_worker(worker, out_dir: str, tokenizer=None):
+    """A worker's model for users: the HF model; with LoRA, the PEFT adapter in
+    `out_dir/adapter` (+ the tokenizer) and, with lora.save_merged, the merged HF model in out_dir."""
+    if worker.peft is None:
+        return save_hf(worker.model, out_dir, tokenizer)
+    from RL2.workers import lora
+
+    state = full_state_dict(worker.model)
+    if dist.get_rank() == 0:
+        lora.save_adapter(worker.peft, state, os.path.join(out_dir, "adapter"))
+        if tokenizer is not None:
+            tokenizer.save_pretrained(os.path.join(out_dir, "adapter"))
+    if worker.cfg.lora.save_merged:
+        merged = dict(lora.merged_items(state.items(), lora.scalings(worker.model))) if state else {}
+        save_hf(worker.model, out_dir, tokenizer, state=merged)
+    dist.barrier()
+
+
+def _dcp_options(worker) -> StateDictOptions:
+    """LoRA: the frozen base is the model_name checkpoint; only adapters (+ head) and their
+    optimizer state are saved and restored."""
+    return StateDictOptions(ignore_frozen_params=worker.peft is not None)
 
 
 PROBE = "The answer is 12.  Ünïcode, tabs\tand 3,456 numbers; don't stop!\n<|im_end|>"
@@ -89,8 +114,8 @@ def save_checkpoint(run_dir: str, step: int, workers: dict, tokenizer, trainer_s
         os.makedirs(tmp)
     dist.barrier()
     for name, w in workers.items():
-        save_hf(w.model, tmp if name == hf_worker else os.path.join(tmp, name), tokenizer)
-        model_sd, optim_sd = get_state_dict(w.model, w.optimizer)
+        export_worker(w, tmp if name == hf_worker else os.path.join(tmp, name), tokenizer)
+        model_sd, optim_sd = get_state_dict(w.model, w.optimizer, options=_dcp_options(w))
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=os.path.join(tmp, "dcp", name))
     torch.save({"torch": torch.get_rng_state(),
                 "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
@@ -129,10 +154,12 @@ def load_checkpoint(path: str, workers: dict) -> dict:
     with open(os.path.join(path, "trainer_state.json")) as f:
         state = json.load(f)
     for name, w in workers.items():
-        model_sd, optim_sd = get_state_dict(w.model, w.optimizer)
+        options = _dcp_options(w)
+        model_sd, optim_sd = get_state_dict(w.model, w.optimizer, options=options)
         sd = {"model": model_sd, "optim": optim_sd}
         dcp.load(sd, checkpoint_id=os.path.join(path, "dcp", name))
-        set_state_dict(w.model, w.optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+        set_state_dict(w.model, w.optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"],
+                       options=options)
         w.scheduler.load_state_dict(state["schedulers"][name])
     rng_file = os.path.join(path, f"rng_rank{dist.get_rank()}.pt")
     if os.path.exists(rng_file):  # absent when resuming with more ranks than were saved

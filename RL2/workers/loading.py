@@ -51,21 +51,27 @@ def load_hf_model(path: str, value_head: bool, dtype: torch.dtype, trust_remote_
 
 
 def load_sharded(path: str, value_head: bool, dtype: torch.dtype, trust_remote_code: bool,
-                 parallelize, device: torch.device):
-    """A model loaded once and sharded by `parallelize(model)`, its shards on `device`."""
+                 parallelize, device: torch.device, prepare=None):
+    """A model loaded once and sharded by `parallelize(model)`, its shards on `device`.
+    prepare(model): changes every built model (real or meta) in place first (e.g. LoRA adapters,
+    drawn on rank 0 and broadcast like the weights)."""
     rank, world = dist.get_rank(), dist.get_world_size()
+    prepare = prepare or (lambda m: None)
     if world == 1:
         model = load_hf_model(path, value_head, dtype, trust_remote_code)
+        prepare(model)
         parallelize(model)
         return model.to(device)
     full = {}
     if rank == 0:
         real = load_hf_model(path, value_head, dtype, trust_remote_code)
+        prepare(real)
         full = {**real.state_dict(), **dict(real.named_buffers())}  # the only full copy on the host
         del real
     # Every rank shards a meta model: sharding real tensors (TP's distribute_tensor) would be
     # a collective that only rank 0 enters.
     model = load_hf_model(path, value_head, dtype, trust_remote_code, on_meta=True)
+    prepare(model)
     parallelize(model)
     model.to_empty(device=device)
     broadcast_from_rank0(model, full)

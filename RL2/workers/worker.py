@@ -13,6 +13,7 @@ from RL2.parallel.attention import PackedContext, packed_kwargs
 from RL2.parallel.fsdp import parallelize
 from RL2.parallel.mesh import ParallelDims
 from RL2.utils.config import resolve_dtype
+from RL2.workers import lora
 from RL2.workers.loading import disable_dropout, load_hf_model, load_sharded  # noqa: F401 (re-exported)
 
 logger = logging.getLogger(__name__)
@@ -57,20 +58,32 @@ class Worker:
         # offload_params: FSDP2 keeps the shards on the host and moves them in for compute
         where = torch.device("cuda", torch.cuda.current_device()) if (
             device == "cuda" and not cfg.offload_params) else torch.device("cpu")
+        self.peft = None  # the PeftModel around self.model when LoRA is on (RL2/workers/lora.py)
+
+        def prepare(model):
+            if lora.enabled(cfg):
+                self.peft = lora.apply_lora(model, cfg.lora, value_head,
+                                            lora.base_dtype(cfg.lora, device, master))
+
         self.model = load_sharded(cfg.model_name, value_head, master, cfg.trust_remote_code,
-                                  shard, where)
+                                  shard, where, prepare)
         self.config = self.model.config
         self.capacity = token_capacity(cfg)
         self.optimizer = self.scheduler = None
         if train:
+            trainable = [p for p in self.model.parameters() if p.requires_grad]  # LoRA: adapters (+ head)
             self.optimizer = torch.optim.AdamW(
-                self.model.parameters(), lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,
+                trainable, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,
                 # fused: one kernel per parameter list, no per-param DTensor dispatch; on CPU
                 # (25.7M params, one thread) 22 ms a step against 120 ms for foreach=True
                 weight_decay=cfg.weight_decay, fused=True)
             self.scheduler = make_scheduler(self.optimizer, cfg, total_steps)
         else:
             self.model.eval()
+
+    def adapters_disabled(self):
+        """Context: the frozen base model (LoRA adapters bypassed), e.g. as the reference."""
+        return lora.adapters_disabled(self.peft)
 
     # ----- batching -----
     def plan(self, samples: list[dict], groups: list[list[int]] | None = None) -> list[MicroBatch]:

@@ -1,0 +1,194 @@
+"""LoRA (`actor.lora.*`): the worker's adapters == a PEFT reference model; parallel == serial for
+SFT and DPO; DPO's reference is the adapter-free actor (step-0 loss log 2); exact resume; PEFT
+export reloads to the trained model; merged weight sync keeps the engine on-policy."""
+import math
+import os
+
+import pytest
+import torch
+
+from tests.dist_utils import run_dist
+from tests.run_utils import (assert_close, layout, read_metrics, run_trainer, sft_args, train_rows,
+                             write_rows)
+from tests.test_dpo import dpo_args
+
+LORA = ["actor.lora.rank=4", "actor.lora.alpha=8"]
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def _worker_vs_peft(rank, world, model_dir, data_dir):
+    from omegaconf import OmegaConf
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import RL2
+    from RL2.data.formats import tokenize_sft
+    from RL2.data.io import load_rows
+    from RL2.utils.checkpoint import full_state_dict
+    from RL2.workers.actor import Actor
+
+    cfg = OmegaConf.load(os.path.join(os.path.dirname(RL2.__file__), "config/worker/default.yaml"))
+    cfg.model_name, cfg.dtype, cfg.lora.rank, cfg.lora.alpha = model_dir, "float32", 4, 8
+    actor = Actor(cfg, "cpu", total_steps=1, seed=0)
+    trainable = {n for n, p in actor.model.named_parameters() if p.requires_grad}
+    assert trainable and all(".lora_A." in n or ".lora_B." in n for n in trainable)
+    assert sum(p.numel() for g in actor.optimizer.param_groups for p in g["params"]) == sum(
+        p.numel() for n, p in actor.model.named_parameters() if n in trainable)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # B starts at 0 (the adapter is a no-op): make it count
+        for n, p in actor.model.named_parameters():
+            if ".lora_B." in n:
+                p._local_tensor.copy_(0.1 * torch.randn(p.shape, generator=gen))
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    rows = load_rows(f"{data_dir}/sft_train.jsonl")
+    samples = [tokenize_sft(rows[i], tok, max_length=64, row_index=i, source="t") for i in range(6)]
+    (mb,) = actor.plan(samples)
+    logps = actor.forward(mb)["logps"]
+    (-(logps * mb.data["action_mask"]).sum()).backward()
+    grads = {n: p.grad.full_tensor() for n, p in actor.model.named_parameters() if p.grad is not None}
+    state = full_state_dict(actor.model)
+
+    ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")
+    ref = get_peft_model(ref, LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS))
+    missing = ref.load_state_dict({f"base_model.model.{k}": v for k, v in state.items()}, strict=False)
+    assert not missing.unexpected_keys
+    ref_logps = []
+    for s in samples:
+        out = ref(input_ids=s["input_ids"][None]).logits[0].log_softmax(-1)
+        lp = out.gather(-1, s["labels"][:, None])[:, 0]
+        ref_logps.append(lp)
+        (-(lp * s["action_mask"]).sum()).backward()
+    ref_grads = {n.removeprefix("base_model.model."): p.grad for n, p in ref.named_parameters()
+                 if p.grad is not None}
+    assert torch.allclose(logps.detach(), torch.cat(ref_logps).detach(), atol=1e-5, rtol=1e-5)
+    assert set(grads) == set(ref_grads) == trainable
+    for n, g in grads.items():
+        assert (g - ref_grads[n]).norm() <= 1e-5 * ref_grads[n].norm(), n
+    return True
+
+
+def test_forward_backward_equal_a_peft_reference(assets):
+    assert run_dist(_worker_vs_peft, 1, assets["model"], assets["data"]) == [True]
+
+
+def test_tensor_parallel_is_refused_at_start_up(assets, tmp_path):
+    proc = run_trainer("sft", 2, sft_args(assets, *LORA, "actor.tp_size=2"), tmp_path, check=False)
+    assert proc.returncode != 0
+    assert "actor.lora.rank > 0 does not compose with actor.tp_size=2" in proc.stderr
+
+
+# ----- parallel == serial (the layout grid of tests/run_utils.py, tp excluded) -----
+SFT_BUDGETS = {"fsdp2": 64, "sp2": 40, "ddp2xfsdp2": 96, "dp2xsp2": 40}
+DPO_BUDGETS = {"fsdp2": 80, "sp2": 48, "ddp2xfsdp2": 160, "dp2xsp2": 64}
+
+
+def cases(budgets):
+    """float32 on fsdp2 (fast set); float64 on the other layouts (slow)."""
+    return [pytest.param("fsdp2", "float32", 1e-5, id="fsdp2-float32")] + [
+        pytest.param(n, "float64", 1e-9, id=f"{n}-float64", marks=pytest.mark.slow)
+        for n in budgets if n != "fsdp2"]
+
+
+@pytest.fixture(scope="module")
+def serial(assets, tmp_path_factory):
+    runs = {}
+
+    def get(trainer, dtype):
+        if (trainer, dtype) not in runs:
+            d = tmp_path_factory.mktemp(f"lora_{trainer}_{dtype}")
+            make = sft_args if trainer == "sft" else dpo_args
+            proc = run_trainer(trainer, 1, make(assets, *LORA, f"actor.dtype={dtype}",
+                                                "actor.max_length_per_device=4096"), d)
+            runs[trainer, dtype] = d
+            get.stderr[d] = proc.stderr
+        return runs[trainer, dtype]
+    get.stderr = {}
+    return get
+
+
+@pytest.mark.parametrize("name,dtype,rtol", cases(SFT_BUDGETS))
+def test_sft_parallel_equals_serial(assets, serial, tmp_path, name, dtype, rtol):
+    nproc, extra = layout(name, SFT_BUDGETS[name])
+    run_trainer("sft", nproc, sft_args(assets, *LORA, f"actor.dtype={dtype}", *extra), tmp_path)
+    ref = serial("sft", dtype)
+    for key in ("train/loss", "train/grad_norm", "test/loss"):
+        assert_close(train_rows(tmp_path, key), train_rows(ref, key), rtol, key)
+    losses = train_rows(ref, "train/loss")
+    assert losses[-1] < losses[0]
+
+
+@pytest.mark.parametrize("name,dtype,rtol", cases(DPO_BUDGETS))
+def test_dpo_parallel_equals_serial(assets, serial, tmp_path, name, dtype, rtol):
+    nproc, extra = layout(name, DPO_BUDGETS[name])
+    run_trainer("dpo", nproc, dpo_args(assets, *LORA, f"actor.dtype={dtype}", *extra), tmp_path)
+    for key in ("train/loss", "train/dpo_loss", "train/rewards/margin", "train/grad_norm", "test/loss"):
+        assert_close(train_rows(tmp_path, key), train_rows(serial("dpo", dtype), key), rtol, key,
+                     atol=rtol / 10 if "margin" in key else 0.0)
+
+
+def test_dpo_reference_is_the_adapter_free_actor(assets, serial):
+    """lora_B starts at 0, so policy == base == reference: the step-0 loss is log 2 exactly, and
+    the margin grows after; one model is built (no second copy for the reference)."""
+    d = serial("dpo", "float32")
+    rows = read_metrics(d)
+    first = next(r for r in rows if "train/dpo_loss" in r)
+    assert first["train/dpo_loss"] == pytest.approx(math.log(2), abs=1e-12)
+    assert rows[0]["test/loss"] == pytest.approx(math.log(2), abs=1e-12)
+    assert train_rows(d, "train/rewards/margin")[-1] > 0
+    assert serial.stderr[d].count("Applied FSDP") == 1  # the actor only
+
+
+def test_resume_is_exact_and_the_adapter_reloads_with_peft(assets, tmp_path):
+    """A run killed after step 2 and resumed == the straight run (float64, adapters + AdamW
+    state restored); the saved PEFT adapter on the base model == the merged export, whose test
+    loss under plain HF is the trainer's."""
+    args = sft_args(assets, *LORA, "actor.dtype=float64", "trainer.total_steps=4",
+                    "actor.lora.save_merged=true", "actor.max_length_per_device=64")
+    run_trainer("sft", 2, args, tmp_path / "straight")
+    run_trainer("sft", 2, args + ["trainer.save_freq=2"], tmp_path / "resumed", crash_after_step=2, check=False)
+    assert (tmp_path / "resumed" / "run" / "latest").read_text() == "step2"
+    run_trainer("sft", 2, args + ["trainer.load_ckpt_from=latest"], tmp_path / "resumed")
+    for key in ("train/loss", "train/grad_norm"):
+        want = train_rows(tmp_path / "straight", key)
+        got = {r["step"]: r[key] for r in read_metrics(tmp_path / "resumed") if key in r}
+        assert_close([got[s] for s in (1, 2, 3, 4)], want, 1e-12, key)
+
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from tests.test_sft import hf_test_loss
+
+    final = tmp_path / "straight" / "run" / "final"
+    merged = AutoModelForCausalLM.from_pretrained(final, dtype=torch.float64).eval()
+    base = AutoModelForCausalLM.from_pretrained(assets["model"], dtype=torch.float64)
+    peft = PeftModel.from_pretrained(base, final / "adapter").eval()
+    ids = torch.arange(3, 40)[None]
+    with torch.no_grad():
+        want, got = merged(input_ids=ids).logits, peft(input_ids=ids).logits
+    assert torch.allclose(got, want, atol=1e-10)
+    test_loss = train_rows(tmp_path / "straight", "test/loss")[-1]
+    assert math.isclose(hf_test_loss(str(final), assets["data"]), test_loss, rel_tol=1e-5)
+
+
+ANSWER_ENV = '''
+async def step(state, action, extra_info):
+    return {"next_state": None, "reward": float(len(action) % 3 == 0), "done": True}
+'''
+
+
+@pytest.mark.slow
+def test_ppo_engine_logps_equal_trainer_logps_after_merged_syncs(assets, tmp_path):
+    """The adapters move every step (lr 1e-2); the torch engine, fed merged weights, samples
+    with the trainer's log-probs (strict_on_policy at 1e-5); the KL to the adapter-free
+    reference (the actor with adapters off) is 0 at the first update (B = 0) and grows after."""
+    env = tmp_path / "env.py"
+    env.write_text(ANSWER_ENV)
+    args = [f"actor.model_name={assets['model']}", f"data.train.path={assets['data']}/ppo_train.jsonl",
+            f"actor.rollout.env_path={env}", *LORA, "actor.lr=1e-2", "actor.strict_on_policy=true",
+            "actor.on_policy_tol=1e-5", "kl.coef=0.1", "kl.type=loss",
+            "actor.rollout.prompts_per_rollout=4", "actor.rollout.responses_per_prompt=2",
+            "actor.rollout.train_sampling_params.max_new_tokens=4", "trainer.total_steps=3"]
+    run_trainer("ppo", 2, args, tmp_path / "run")
+    kl = train_rows(tmp_path / "run", "actor/kl_loss")
+    assert len(kl) == 3 and kl[0] == pytest.approx(0.0, abs=1e-12) and kl[-1] > 0
+    assert all(abs(v) < 1e-6 for v in train_rows(tmp_path / "run", "rollout/engine_kl"))

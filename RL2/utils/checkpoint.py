@@ -68,7 +68,8 @@ def export_worker(worker, out_dir: str, tokenizer=None):
 def _dcp_options(worker) -> StateDictOptions:
     """LoRA: the frozen base is the model_name checkpoint; only adapters (+ head) and their
     optimizer state are saved and restored."""
-    return StateDictOptions(ignore_frozen_params=worker.peft is not None)
+    lora = worker.peft is not None
+    return StateDictOptions(ignore_frozen_params=lora, strict=not lora)
 
 
 PROBE = "The answer is 12.  Ünïcode, tabs\tand 3,456 numbers; don't stop!\n<|im_end|>"

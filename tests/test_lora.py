@@ -192,3 +192,24 @@ def test_ppo_engine_logps_equal_trainer_logps_after_merged_syncs(assets, tmp_pat
     kl = train_rows(tmp_path / "run", "actor/kl_loss")
     assert len(kl) == 3 and kl[0] == pytest.approx(0.0, abs=1e-12) and kl[-1] > 0
     assert all(abs(v) < 1e-6 for v in train_rows(tmp_path / "run", "rollout/engine_kl"))
+
+
+def test_reward_model_trains_adapters_and_head_and_exports_them(assets, tmp_path):
+    """RM with LoRA: the margin grows; the PEFT adapter (with the trained `score` head) on the
+    base value model gives the merged export's rewards."""
+    from peft import PeftModel
+    from transformers import AutoModelForTokenClassification
+
+    run_trainer("rm", 1, [f"actor.model_name={assets['model']}", f"data.train.path={assets['data']}/pref_train.jsonl",
+                          "data.train.batch_size=16", "actor.lr=1e-2", "trainer.total_steps=4", *LORA,
+                          "actor.lora.save_merged=true"], tmp_path)
+    margins = train_rows(tmp_path, "train/margin")
+    assert margins[-1] > margins[0] + 0.1
+    final = tmp_path / "run" / "final"
+    merged = AutoModelForTokenClassification.from_pretrained(final, num_labels=1).eval()
+    base = AutoModelForTokenClassification.from_pretrained(assets["model"], num_labels=1)
+    peft = PeftModel.from_pretrained(base, final / "adapter").eval()
+    ids = torch.arange(3, 30)[None]
+    with torch.no_grad():
+        want, got = merged(input_ids=ids).logits, peft(input_ids=ids).logits
+    assert torch.allclose(got, want, atol=1e-5) and want.abs().max() > 0.1

@@ -138,6 +138,7 @@ def test_dpo_reference_is_the_adapter_free_actor(assets, serial):
     assert serial.stderr[d].count("Applied FSDP") == 1  # the actor only
 
 
+@pytest.mark.slow
 def test_resume_is_exact_and_the_adapter_reloads_with_peft(assets, tmp_path):
     """A run killed after step 2 and resumed == the straight run (float64, adapters + AdamW
     state restored); the saved PEFT adapter on the base model == the merged export, whose test
@@ -194,6 +195,7 @@ def test_ppo_engine_logps_equal_trainer_logps_after_merged_syncs(assets, tmp_pat
     assert all(abs(v) < 1e-6 for v in train_rows(tmp_path / "run", "rollout/engine_kl"))
 
 
+@pytest.mark.slow
 def test_reward_model_trains_adapters_and_head_and_exports_them(assets, tmp_path):
     """RM with LoRA: the margin grows; the PEFT adapter (with the trained `score` head) on the
     base value model gives the merged export's rewards."""

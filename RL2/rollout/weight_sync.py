@@ -302,7 +302,7 @@ class WeightSync:
         if self.lora_scaling:
             from RL2.workers.lora import merged_items
 
-            return merged_items(self._stream_full(), self.lora_scaling, copy=self.transport == "shm")
+            return merged_items(self._stream_full(), self.lora_scaling, copy=self.transport != "local")  # bucket views are reused
         return self._stream_full()
 
     def _stream_full(self) -> Iterator[tuple[str, torch.Tensor]]:

@@ -78,6 +78,10 @@ class Rollout:
         self.n_groups = world // cfg.tp_size
         self.group = rank // cfg.tp_size
         self.is_leader = rank % cfg.tp_size == 0
+        # disaggregated: engine servers elsewhere; rank 0 is their one client (rollout/remote.py)
+        self.disaggregated = cfg.get("placement", "colocated") == "disaggregated"
+        if self.disaggregated:
+            self.n_groups, self.group, self.is_leader = 1, 0, rank == 0
         self.loop = asyncio.new_event_loop()  # one loop for the whole run (SGLang binds to it)
         # Ranks without an engine wait here for the leaders' rollouts, which can take longer than
         # NCCL's watchdog allows, and must not spin NCCL kernels beside SGLang: wait on gloo.
@@ -87,9 +91,12 @@ class Rollout:
         self.peer = None  # SGLang: this rank's part in the weight updates of its group's engine
         self._weight_sync = None  # built on the first sync (a collective over the model's ranks)
         kw = engine_kwargs(self.kind, cfg, rank, seed)
-        if self.kind == "sglang":
+        if self.kind == "sglang" and not self.disaggregated:
             kw.update(self._sglang_group(model_path, kw))
-        if self.is_leader:
+        if self.is_leader and self.disaggregated:
+            from RL2.rollout.remote import make_pool
+            self.engine = make_pool(cfg, tokenizer)
+        elif self.is_leader:
             self.engine = make_engine(self.kind, model_path, tokenizer, **kw)
             if getattr(self.engine, "loop", None) is not None:
                 # SGLang/vLLM run on the loop they were created with: trajectories use that one.
@@ -114,10 +121,13 @@ class Rollout:
             self.peer = SGLangPeer(mine, kw["bucket_bytes"], dtype)
         return {"group": mine}
 
-    def sync(self, model, share: bool = True) -> dict:
+    def sync(self, model, share: bool = True, version: int | None = None) -> dict:
         """Bring the engine to the model's weights (a collective over the model's ranks).
         share=False: the engine keeps its own copy (asynchronous rollout: it generates while the
-        optimizer rewrites the trainer's tensors)."""
+        optimizer rewrites the trainer's tensors). `version`: the label engine servers report
+        after this sync (disaggregated)."""
+        if version is not None and hasattr(self.engine, "next_version"):
+            self.engine.next_version = str(version)
         return self._sync_for(model, share)(self.engine or self.peer)
 
     def _sync_for(self, model, share: bool = True) -> WeightSync:
@@ -211,6 +221,9 @@ class Rollout:
                                f"{tries} tries (wanted {cfg.prompts_per_rollout})")
             batch.kept = batch.kept[:cfg.prompts_per_rollout]
         batch.metrics = self.metrics(batch.seen, n, cfg.pass_k)
+        engine = getattr(self, "engine", None)  # (tests build a Rollout without __init__)
+        if hasattr(engine, "pool_metrics"):  # disaggregated: live / lost servers, retries
+            batch.metrics.update(engine.pool_metrics())
         batch.metrics.update(filtered_groups=float(batch.status.count("filtered")),
                              failed_groups=float(batch.status.count("failed")), rollout_tries=float(tries))
         if self.clock is not None:

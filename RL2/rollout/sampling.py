@@ -30,12 +30,15 @@ class Request:
     stop_ids: frozenset
     seqs: list["Seq"] = field(default_factory=list)
 
-    def add_samples(self, rng: random.Random) -> None:
-        """One `Seq` per sample; sampled ones get their own generator."""
+    def add_samples(self, rng: random.Random, raw_seed: bool = False) -> None:
+        """One `Seq` per sample; sampled ones get their own generator (raw_seed: params.seed
+        itself, one sample per request as in vLLM; else derived from (seed, i))."""
         for i in range(self.params.n):
             gen = None
             if self.params.temperature >= GREEDY_BELOW:
                 seed = derive_seed(self.params.seed, i) if self.params.seed is not None else rng.getrandbits(63)
+                if raw_seed and self.params.seed is not None:
+                    seed = self.params.seed
                 gen = torch.Generator().manual_seed(seed)
             self.seqs.append(Seq(self, gen))
 
@@ -43,7 +46,10 @@ class Request:
         """Answer the caller once every sample has finished."""
         if self.future.done() or any(seq.finish is None for seq in self.seqs):
             return
-        self.future.set_result([GenerationOutput(s.tokens, s.logprobs, s.finish) for s in self.seqs])
+        outs = [GenerationOutput(s.tokens, s.logprobs, s.finish) for s in self.seqs]
+        for out, s in zip(outs, self.seqs):  # token spans per weight version (RL2.rollout.server)
+            out.weight_versions = getattr(s, "spans", None)
+        self.future.set_result(outs)
 
 
 @dataclass(eq=False)

@@ -47,6 +47,8 @@ ROOM_CAP = 1024  # decode columns reserved up front when rows join the batch
 
 
 class TorchEngine(Engine):
+    raw_seeds = False  # True (RL2.rollout.server): a request's seed is its one sample's, as in vLLM
+
     def __init__(self, model, tokenizer=None, *, device: str | torch.device | None = None,
                  dtype: torch.dtype | str = torch.float32, max_model_len: int | None = None,
                  max_batch_size: int = 256, max_prefill_tokens: int = 16384,
@@ -114,7 +116,7 @@ class TorchEngine(Engine):
         self._ensure_scheduler(loop)
         req = Request(prompt, params, loop.create_future(),
                       self._eos_ids | frozenset(int(t) for t in params.stop_token_ids))
-        req.add_samples(self._rng)
+        req.add_samples(self._rng, raw_seed=self.raw_seeds)
         self._waiting.append(req)
         self._wakeup.set()
         return await req.future

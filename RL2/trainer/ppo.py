@@ -25,6 +25,7 @@ from RL2.data.mixture import MixtureSampler, load_mixed_splits
 from RL2.data.packing import token_capacity
 from RL2.rollout.env import EnvError, load_env
 from RL2.rollout.producer import INFLIGHT_MODES, Producer, drop_stale
+from RL2.rollout.remote import check_placement
 from RL2.rollout.rollout import Rollout
 from RL2.rollout.weight_sync import TRANSPORTS
 from RL2.trainer.base import AdaptersOff, Trainer
@@ -91,6 +92,7 @@ def check_config(cfg):
                         f"test_responses_per_prompt={r.test_responses_per_prompt}]")
     if r.weight_sync not in TRANSPORTS:
         problems.append(f"actor.rollout.weight_sync={r.weight_sync!r}: use one of {TRANSPORTS}")
+    problems += check_placement(r)
     if r.bucket_mb <= 0:
         problems.append(f"actor.rollout.bucket_mb={r.bucket_mb} must be > 0")
     if r.env_workers < 0:
@@ -177,7 +179,7 @@ class PPOTrainer(Trainer):
         self.async_k, self.producer, self.buffered = r.max_staleness, None, {}
         self.maybe_resume()
         # the engine serves exactly the trainer's weights; asynchronous: a copy of its own
-        sync = self.rollout.sync(self.actor.model, share=not self.async_k)
+        sync = self.rollout.sync(self.actor.model, share=not self.async_k, version=self.step)
         logger.info(f"initial weight sync: {sync}")
 
     @staticmethod
@@ -316,7 +318,8 @@ class PPOTrainer(Trainer):
             if self.producer is not None:
                 self.producer.publish(step + 1, weights)
             return {"sync/seconds": time.perf_counter() - start}
-        return {f"sync/{k.removeprefix('sync_')}": v for k, v in self.rollout.sync(self.actor.model).items()}
+        synced = self.rollout.sync(self.actor.model, version=step + 1)  # servers report step + 1
+        return {f"sync/{k.removeprefix('sync_')}": v for k, v in synced.items()}
 
     # ----- asynchronous rollout: evaluation and checkpoints with the producer parked -----
     def save(self, step: int):

@@ -1,0 +1,274 @@
+"""Disaggregated rollout: the trainer as a client of engine servers (`actor.rollout.placement=
+disaggregated`, `actor.rollout.servers=[host:port, ...]`).
+
+`RemotePool` is an `Engine` over N servers that speak vLLM's protocol (a real `vllm serve`, or
+`python -m RL2.rollout.server`), each driven by a `VLLMServerEngine` client:
+- generate: each call goes to the live server with the fewest calls in flight (ties: the first
+  listed). The per-request seed travels with the request, so a trajectory does not depend on
+  which server ran it.
+- update_weights: one gloo group per server (trainer rank 0 + that server's workers, rl2_gloo
+  wire format); each bucket is sent to every live server concurrently; start -> update per
+  bucket -> finish with the version label (the trainer's step).
+- faults: a server whose call fails and whose /health then fails, or that misses a health probe
+  while requests are in flight (probed every `health_timeout_s`), is dropped for good (its
+  weights may be stale): its requests are retried on the others, a warning is logged and the
+  loss is counted (`pool_metrics`). A server failing during a weight sync is dropped likewise.
+  With none left, the run stops with an error naming every server and its last error.
+"""
+import asyncio
+import logging
+import socket
+import time
+import urllib.parse
+
+import torch
+
+from RL2.rollout.engine import Engine, GenerationOutput, SamplingParams
+from RL2.rollout.vllm_engine import VLLMServerEngine
+from RL2.rollout.vllm_transfer import make_buckets
+
+logger = logging.getLogger(__name__)
+
+
+class AllServersLost(RuntimeError):
+    pass
+
+
+class _ServerLost(Exception):
+    pass
+
+
+class _Transient(Exception):
+    """A connection failed but the server answers /health: try the call again."""
+
+
+MAX_TRANSIENT = 3  # connection failures on a healthy server tolerated per generate call
+
+
+def normalize(address: str) -> str:
+    """'host:port' or 'http://host:port' -> 'http://host:port'."""
+    address = address.strip().rstrip("/")
+    return address if "://" in address else f"http://{address}"
+
+
+def address_towards(url: str) -> str:
+    """This machine's IP address on the route to `url` (what the server must dial back to join
+    the weight-transfer group); no packet is sent."""
+    parts = urllib.parse.urlsplit(url)
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((parts.hostname, parts.port or 80))
+        return s.getsockname()[0]
+
+
+class _Server:
+    def __init__(self, index: int, client: VLLMServerEngine):
+        self.index, self.client, self.url = index, client, client.url
+        self.in_flight = 0
+        self.error: str | None = None  # set when the server is dropped
+
+
+class RemotePool(Engine):
+    def __init__(self, servers: list[str], tokenizer=None, *, max_model_len: int = 2048,
+                 dtype: str = "float32", bucket_mb: float = 512, timeout_s: float = 600.0,
+                 health_timeout_s: float = 30.0, connect_timeout_s: float | None = None,
+                 transfer_host: str | None = None):
+        """`timeout_s` bounds every generate and weight-transfer call; `health_timeout_s` is how
+        long a server may leave /health unanswered; `connect_timeout_s` (default timeout_s) how
+        long to wait for every server to come up at start."""
+        if not servers:
+            raise ValueError("actor.rollout.servers is empty: disaggregated placement needs the "
+                             "host:port of at least one engine server")
+        self.dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+        self.bucket_bytes = int(bucket_mb * 2**20)
+        self.timeout_s, self.health_timeout_s = timeout_s, health_timeout_s
+        self.loop = asyncio.new_event_loop()
+        self.servers: list[_Server] = []
+        for i, address in enumerate(servers):
+            url = normalize(address)
+            client = VLLMServerEngine(
+                url, tokenizer, max_model_len=max_model_len, dtype=dtype, bucket_mb=bucket_mb,
+                timeout_s=timeout_s, connect_timeout_s=connect_timeout_s or timeout_s,
+                transfer_host=transfer_host or address_towards(url))
+            client._close_loop()  # the pool's loop runs everything
+            self.servers.append(_Server(i, client))
+        self.next_version: str | None = None  # label of the next sync (the trainer's step)
+        self._syncs = 0
+        self.counts = {"servers_lost": 0, "requests_retried": 0}
+        self._monitor = None
+
+    # ------------------------------------------------------------------ bookkeeping
+    def live(self) -> list[_Server]:
+        return [s for s in self.servers if s.error is None]
+
+    def pool_metrics(self) -> dict:
+        return {"servers_live": float(len(self.live())), **{k: float(v) for k, v in self.counts.items()}}
+
+    def _drop(self, server: _Server, reason: str) -> None:
+        if server.error is not None:
+            return
+        server.error = reason
+        self.counts["servers_lost"] += 1
+        logger.warning("rollout server %s dropped (%s); %d server(s) left", server.url, reason,
+                       len(self.live()))
+
+    def _check_any(self) -> list[_Server]:
+        live = self.live()
+        if not live:
+            lost = "; ".join(f"{s.url}: {s.error}" for s in self.servers)
+            raise AllServersLost(f"every rollout server is gone (actor.rollout.servers): {lost}")
+        return live
+
+    def _healthy(self, server: _Server) -> str | None:
+        """None if /health answers within health_timeout_s, else why not (blocking)."""
+        try:
+            server.client._http("GET", "/health", timeout=self.health_timeout_s)
+            return None
+        except RuntimeError as e:
+            return str(e)
+
+    async def _watch(self) -> None:
+        """While requests are in flight, probe each busy server every health_timeout_s: a hung
+        server (stopped, partitioned) is dropped within about two periods."""
+        while True:
+            await asyncio.sleep(self.health_timeout_s)
+            busy = [s for s in self.live() if s.in_flight]
+            problems = await asyncio.gather(*[asyncio.to_thread(self._healthy, s) for s in busy])
+            for s, problem in zip(busy, problems):
+                if problem:
+                    self._drop(s, f"health probe failed: {problem}")
+
+    # ------------------------------------------------------------------ generation
+    async def _call(self, server: _Server, coro):
+        """Run `coro` against `server`; _ServerLost if the server is (or turns out) dead."""
+        task = asyncio.ensure_future(coro)
+        while not task.done():  # polled: no loop-bound primitive shared between calls
+            await asyncio.wait({task}, timeout=0.2)
+            if server.error is not None and not task.done():
+                task.cancel()
+                raise _ServerLost(server.error)
+        try:
+            return task.result()
+        except RuntimeError as e:  # refused, reset, timed out or an HTTP error: alive?
+            problem = await asyncio.to_thread(self._healthy, server)
+            if problem is None and ": HTTP " in str(e):
+                raise  # the server is fine and answered: the request itself is bad
+            if problem is None and "timed out" not in str(e):
+                raise _Transient(str(e)) from None  # e.g. a reset connection
+            self._drop(server, f"{e}" if problem is None else f"{e}; then {problem}")
+            raise _ServerLost(server.error) from None
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> list[GenerationOutput]:
+        if self._monitor is None or self._monitor.done() or self._monitor.get_loop() is not asyncio.get_running_loop():
+            self._monitor = asyncio.ensure_future(self._watch())
+        transient = 0
+        while True:
+            server = min(self._check_any(), key=lambda s: (s.in_flight, s.index))
+            server.in_flight += 1
+            try:
+                return await self._call(server, server.client.generate(prompt_ids, params))
+            except _ServerLost:
+                self.counts["requests_retried"] += 1
+            except _Transient as e:
+                transient += 1
+                if transient > MAX_TRANSIENT:
+                    raise RuntimeError(f"{e} ({transient} times; the server answers /health)") from None
+                logger.warning("retrying a request after: %s", e)
+                self.counts["requests_retried"] += 1
+            finally:
+                server.in_flight -= 1
+
+    # ------------------------------------------------------------------ weight sync
+    async def _guarded(self, server: _Server, coro) -> None:
+        """A weight-transfer step: any failure drops the server (its weights are now unknown)."""
+        try:
+            await coro
+        except Exception as e:  # noqa: BLE001 - reported through _drop and _check_any
+            self._drop(server, f"weight sync failed: {e}")
+
+    async def _each(self, fn) -> None:
+        await asyncio.gather(*[self._guarded(s, fn(s)) for s in self._check_any()])
+        self._check_any()
+
+    @staticmethod
+    async def _push(server: _Server, bucket) -> None:
+        c = server.client
+        # the server's receive (inside its HTTP call) and our broadcast meet in one gloo call
+        await asyncio.gather(c._control("update_weights", c._sender.update_info(bucket)),
+                             asyncio.to_thread(c._sender.send, bucket))
+
+    async def _update(self, named_tensors) -> None:
+        await self._each(lambda s: s.client._connect() if s.client._sender is None else asyncio.sleep(0))
+        await self._each(lambda s: s.client._control("start_weight_update"))
+        # copies: a bucket may span two of the weight-sync stream's reused shared buffers
+        cast = ((n, t.to(self.dtype if t.is_floating_point() else t.dtype, copy=True))
+                for n, t in named_tensors)
+        for bucket in make_buckets(cast, self.bucket_bytes):
+            await self._each(lambda s: self._push(s, bucket))
+        self._syncs += 1
+        version = self.next_version if self.next_version is not None else str(self._syncs)
+        await self._each(lambda s: s.client._control("finish_weight_update", version))
+        self.next_version = None
+
+    def update_weights(self, named_tensors) -> None:
+        """Push full tensors (HF names) to every live server; their weight_version becomes
+        `next_version` (set by the caller: the trainer's step), else the number of syncs."""
+        start = time.monotonic()
+        self.loop.run_until_complete(asyncio.wait_for(self._update(named_tensors), self.timeout_s * 4))
+        logger.debug("weights pushed to %d server(s) in %.2f s", len(self.live()), time.monotonic() - start)
+
+    def weight_versions(self) -> dict[str, str]:
+        return {s.url: s.client.weight_version() for s in self.live()}
+
+    def release_memory(self, tags=None) -> None:
+        pass  # the servers keep their memory (the trainer runs elsewhere)
+
+    def resume_memory(self, tags=None) -> None:
+        pass
+
+    def shutdown(self) -> None:
+        for s in self.servers:
+            if s.error is not None:
+                s.client._sender = None  # no goodbye to a dead server
+            s.client.shutdown()
+        if self._monitor is not None:
+            self._monitor.cancel()
+            loop = self._monitor.get_loop()
+            if not loop.is_closed() and not loop.is_running():
+                loop.run_until_complete(asyncio.wait({self._monitor}))
+        if not self.loop.is_closed():
+            self.loop.close()
+
+
+def make_pool(cfg, tokenizer) -> RemotePool:
+    """The pool of `actor.rollout` (cfg): servers, timeouts, bucket size, wire dtype."""
+    return RemotePool(list(cfg.servers), tokenizer, max_model_len=cfg.max_model_len or cfg.max_length,
+                      dtype=cfg.server_dtype, bucket_mb=cfg.bucket_mb, timeout_s=cfg.server_timeout,
+                      health_timeout_s=cfg.health_timeout, transfer_host=cfg.transfer_host)
+
+
+def check_placement(r) -> list[str]:
+    """Config problems of the placement keys of `actor.rollout` (r), each naming the key."""
+    if r.placement not in ("colocated", "disaggregated"):
+        return [f"actor.rollout.placement={r.placement!r}: use colocated or disaggregated"]
+    if r.placement == "colocated":
+        return []
+    problems = []
+    if r.get("max_staleness", 0):
+        problems.append("actor.rollout.placement=disaggregated does not support actor.rollout.max_staleness"
+                        " >= 1 yet (asynchronous rollout runs on colocated engines): set it to 0")
+    if not r.servers:
+        problems.append("actor.rollout.placement=disaggregated needs actor.rollout.servers=[host:port,...]")
+    for a in r.servers:
+        parts = urllib.parse.urlsplit(normalize(str(a)))
+        try:
+            port = parts.port
+        except ValueError:
+            port = None
+        if not parts.hostname or port is None:
+            problems.append(f"actor.rollout.servers: {a!r} is not host:port")
+    for key in ("server_timeout", "health_timeout"):
+        if not r[key] > 0:
+            problems.append(f"actor.rollout.{key}={r[key]} must be > 0")
+    if not isinstance(getattr(torch, str(r.server_dtype), None), torch.dtype):
+        problems.append(f"actor.rollout.server_dtype={r.server_dtype!r} is not a torch dtype")
+    return problems

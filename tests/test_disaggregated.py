@@ -1,0 +1,152 @@
+"""Disaggregated placement end to end (real processes on loopback): torchrun trainers drive RL2
+engine servers (`python -m RL2.rollout.server`) by address. With k = 0 the run must equal the
+colocated run with the same seeds exactly (fp32, CPU), for 1- and 2-rank trainers; a server
+SIGKILLed mid-rollout must leave the results unchanged (its requests are retried on the other);
+with every server gone the run must stop with a message naming them."""
+import json
+
+import pytest
+
+from tests.run_utils import read_metrics, run_trainer
+from tests.server_utils import kill, start_server
+
+# Two turns, a reward that depends on every generated character (so advantages and losses are
+# not all zero on the random tiny model), and an optional fault: on its first call the env
+# SIGKILLs the processes named in RL2_TEST_KILL_PIDS (once per run: a marker file).
+ENV = '''
+import os, signal
+
+
+async def step(state, action, extra_info):
+    pids, marker = os.environ.get("RL2_TEST_KILL_PIDS"), os.environ.get("RL2_TEST_KILL_MARKER")
+    if pids and not os.path.exists(marker):
+        open(marker, "w").close()
+        for pid in pids.split(","):
+            os.killpg(int(pid), signal.SIGKILL)
+    turn = extra_info.get("turn", 0)
+    reward = (sum(map(ord, action)) % 7) / 7.0
+    if turn == 1:
+        return {"next_state": None, "reward": reward, "done": True}
+    return {"next_state": state + action + " and then", "reward": reward, "done": False,
+            "extra_info": {**extra_info, "turn": 1}}
+'''
+KEYS = ("rollout/reward", "rollout/response_length", "adv/mean", "actor/loss", "actor/grad_norm",
+        "actor/entropy")
+
+
+@pytest.fixture(scope="module")
+def env_path(tmp_path_factory):
+    path = tmp_path_factory.mktemp("disagg_env") / "env.py"
+    path.write_text(ENV)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def servers(assets, tmp_path_factory):
+    logs = tmp_path_factory.mktemp("servers")
+    started = [start_server(assets["model"], logs / f"server{i}.log") for i in range(2)]
+    yield [address for _, address in started]
+    for proc, _ in started:
+        kill(proc)
+
+
+def args(assets, env_path, *extra):
+    return [f"actor.model_name={assets['model']}", f"data.train.path={assets['data']}/ppo_train.jsonl",
+            f"actor.rollout.env_path={env_path}", "actor.rollout.engine=torch", "actor.rollout.max_turns=2",
+            "actor.lr=1e-3", "actor.strict_on_policy=true",  # engine vs trainer log-probs checked, engine_kl
+            "actor.rollout.prompts_per_rollout=4", "actor.rollout.responses_per_prompt=4",
+            "actor.rollout.train_sampling_params.max_new_tokens=8", "actor.rollout.env_workers=0",
+            "trainer.total_steps=3", *extra]
+
+
+def disaggregated(servers, *extra):
+    return ["actor.rollout.placement=disaggregated", f"actor.rollout.servers=[{','.join(servers)}]",
+            "actor.rollout.health_timeout=5", *extra]
+
+
+def rows(run_dir) -> list[dict]:
+    return [r for r in read_metrics(run_dir) if "rollout/reward" in r]
+
+
+def assert_same_run(got, want):
+    assert len(got) == len(want) == 3
+    for g, w in zip(got, want):
+        for key in KEYS:
+            assert g[key] == w[key], (g["step"], key, g[key], w[key])
+        assert abs(g["rollout/engine_kl"]) < 1e-5  # the servers hold the trainer's weights
+    assert len({r["rollout/reward"] for r in want}) > 1 and any(r["actor/loss"] != 0 for r in want)
+
+
+@pytest.fixture(scope="module")
+def colocated(assets, env_path, tmp_path_factory):
+    runs = {}
+
+    def get(nproc):
+        if nproc not in runs:
+            runs[nproc] = tmp_path_factory.mktemp(f"colocated{nproc}")
+            run_trainer("ppo", nproc, args(assets, env_path), runs[nproc])
+        return rows(runs[nproc])
+    return get
+
+
+@pytest.mark.parametrize("nproc", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_disaggregated_equals_colocated(assets, env_path, servers, colocated, nproc, tmp_path):
+    run_trainer("ppo", nproc, args(assets, env_path, *disaggregated(servers)), tmp_path)
+    got = rows(tmp_path)
+    assert_same_run(got, colocated(nproc))
+    assert all(r["rollout/servers_live"] == 2 and r["rollout/servers_lost"] == 0 for r in got)
+    # both servers served requests, and report the trainer's step as their weight version
+    from urllib.request import urlopen
+    for address in servers:
+        assert json.load(urlopen(f"http://{address}/weight_info", timeout=30)) == {"weight_version": "3"}
+    dumped = [json.loads(line) for line in (tmp_path / "run" / "rollouts" / "step1.jsonl").read_text().splitlines()]
+    assert len(dumped) == 16 and all(t["error"] is None for t in dumped)
+
+
+@pytest.mark.slow
+def test_a_killed_server_is_replaced_then_none_left_stops_the_run(assets, env_path, colocated, tmp_path):
+    procs = [start_server(assets["model"], tmp_path / f"s{i}.log") for i in range(2)]
+    try:
+        addresses = [a for _, a in procs]
+        # SIGKILL server 0 at the first env step of step 1: its in-flight requests move to server 1
+        run_trainer("ppo", 1, args(assets, env_path, *disaggregated(addresses)), tmp_path / "one_dies",
+                    extra_env={"RL2_TEST_KILL_PIDS": str(procs[0][0].pid),
+                               "RL2_TEST_KILL_MARKER": str(tmp_path / "killed1")})
+        got = rows(tmp_path / "one_dies")
+        assert_same_run(got, colocated(1))
+        assert [r["rollout/servers_live"] for r in got] == [1, 1, 1]
+        assert got[-1]["rollout/servers_lost"] == 1 and got[-1]["rollout/requests_retried"] >= 1
+        # a run on the last one, killed mid-rollout: the run stops, naming the server
+        proc = run_trainer("ppo", 1, args(assets, env_path, *disaggregated(addresses[1:])), tmp_path / "all_die",
+                           check=False, timeout=300,
+                           extra_env={"RL2_TEST_KILL_PIDS": str(procs[1][0].pid),
+                                      "RL2_TEST_KILL_MARKER": str(tmp_path / "killed2")})
+        out = proc.stdout + proc.stderr
+        assert proc.returncode != 0 and "every rollout server is gone" in out and addresses[1] in out, out[-3000:]
+        # no server up at start: a clear error within actor.rollout.server_timeout
+        proc = run_trainer("ppo", 1, args(assets, env_path, *disaggregated(addresses), "actor.rollout.server_timeout=3"),
+                           tmp_path / "none_up", check=False, timeout=300)
+        out = proc.stdout + proc.stderr
+        assert proc.returncode != 0 and f"{addresses[0]} not reachable within 3 s" in out, out[-3000:]
+    finally:
+        for p, _ in procs:
+            kill(p)
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["actor.rollout.placement=remote"], "actor.rollout.placement='remote'"),
+    (["actor.rollout.placement=disaggregated"], "needs actor.rollout.servers"),
+    (["actor.rollout.placement=disaggregated", "actor.rollout.servers=[localhost]"], "'localhost' is not host:port"),
+    (["actor.rollout.placement=disaggregated", "actor.rollout.servers=[a:1]", "actor.rollout.health_timeout=0"],
+     "actor.rollout.health_timeout=0"),
+    (["actor.rollout.placement=disaggregated", "actor.rollout.servers=[a:1]", "actor.rollout.server_dtype=fp9"],
+     "server_dtype"),
+    (["actor.rollout.placement=disaggregated", "actor.rollout.servers=[a:1]", "actor.rollout.max_staleness=1"],
+     "does not support actor.rollout.max_staleness"),
+])
+def test_bad_placement_configs_name_the_key(overrides, message):
+    from tests.test_ppo import cfg_with
+    from RL2.trainer.ppo import check_config
+
+    with pytest.raises(SystemExit, match=message):
+        check_config(cfg_with(*overrides))

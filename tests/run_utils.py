@@ -123,3 +123,18 @@ def bad_rows_file(assets, tmp_path) -> str:
     path = tmp_path / "bad.jsonl"
     write_rows(path, rows)
     return str(path)
+
+
+def biased_warm_start(root, tokenizer, **shape) -> dict:
+    """A tiny Qwen2 (`shape`: build_tiny_model's hidden/layers/heads/kv_heads) SFT'd 256 steps on
+    answers with a systematic mistake (sft_biased: a+b+1 more frequent than a+b), so sampling is
+    right ~30% of the time and RL must move the mode. The PPO e2e tests' warm start."""
+    from RL2.tools.make_assets import build_tiny_model, write_datasets
+
+    build_tiny_model(str(root / "model"), tokenizer, "qwen2", **shape)
+    write_datasets(str(root / "data"), n_train=1024, n_test=64)
+    run_trainer("sft", 1, [f"actor.model_name={root / 'model'}",
+                           f"data.train.path={root / 'data' / 'sft_biased_train.jsonl'}",
+                           "data.train.batch_size=32", "actor.lr=3e-3", "actor.scheduler=cosine",
+                           "trainer.n_epochs=8"], root / "sft")
+    return {"model": str(root / "sft" / "run" / "final"), "data": root / "data"}

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.run_utils import read_metrics, run_trainer, train_rows
+from tests.run_utils import biased_warm_start, read_metrics, run_trainer, train_rows
 
 pytestmark = pytest.mark.slow
 ANSWER_MATCH = str(Path(__file__).resolve().parents[1] / "envs" / "answer_match.py")
@@ -42,16 +42,7 @@ def warm_start(assets, tmp_path_factory):
     frequent than a+b, as in the quick-start): sampling is right ~30% of the time and RL must move
     the mode. (The noisy set, right half the time, gave a warm start at reward ~0.08 with the
     Qwen2-pipeline tokenizer, from which the presets barely rose.)"""
-    from RL2.tools.make_assets import build_tiny_model, write_datasets
-
-    root = tmp_path_factory.mktemp("ppo_warm")
-    build_tiny_model(str(root / "model"), assets["tokenizer"], "qwen2", hidden=64, layers=2)
-    write_datasets(str(root / "data"), n_train=1024, n_test=64)
-    run_trainer("sft", 1, [f"actor.model_name={root / 'model'}",
-                           f"data.train.path={root / 'data' / 'sft_biased_train.jsonl'}",
-                           "data.train.batch_size=32", "actor.lr=3e-3", "actor.scheduler=cosine",
-                           "trainer.n_epochs=8"], root / "sft")
-    return {"model": str(root / "sft" / "run" / "final"), "data": root / "data"}
+    return biased_warm_start(tmp_path_factory.mktemp("ppo_warm"), assets["tokenizer"], hidden=64, layers=2)
 
 
 def rl_args(warm, *extra):

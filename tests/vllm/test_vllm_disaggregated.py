@@ -11,7 +11,7 @@ from urllib.request import urlopen
 import pytest
 
 from RL2.rollout.engine import make_engine
-from tests.run_utils import read_metrics, run_trainer
+from tests.run_utils import biased_warm_start, read_metrics, run_trainer
 from tests.vllm.test_vllm_server import kill, start_server
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -21,18 +21,9 @@ ANSWER_MATCH = str(Path(__file__).resolve().parents[2] / "envs" / "answer_match.
 @pytest.fixture(scope="module")
 def warm_start(assets, tmp_path_factory):
     """head_dim-32 model SFT'd on answers with a systematic mistake (sft_biased, as test_ppo_e2e)."""
-    from RL2.tools.make_assets import build_tiny_model, write_datasets
-
-    root = tmp_path_factory.mktemp("vllm_disagg_warm")
     # head_dim 32 (vLLM's CPU attention needs >= 32) at test_ppo_e2e's 4 heads: hidden 128
-    build_tiny_model(str(root / "model"), assets["tokenizer"], "qwen2", hidden=128, layers=2,
-                     heads=4, kv_heads=2)
-    write_datasets(str(root / "data"), n_train=1024, n_test=64)
-    run_trainer("sft", 1, [f"actor.model_name={root / 'model'}",
-                           f"data.train.path={root / 'data' / 'sft_biased_train.jsonl'}",
-                           "data.train.batch_size=32", "actor.lr=3e-3", "actor.scheduler=cosine",
-                           "trainer.n_epochs=8"], root / "sft")
-    return {"model": str(root / "sft" / "run" / "final"), "data": root / "data"}
+    return biased_warm_start(tmp_path_factory.mktemp("vllm_disagg_warm"), assets["tokenizer"],
+                             hidden=128, layers=2, heads=4, kv_heads=2)
 
 
 def test_disaggregated_grpo_against_vllm_serve(warm_start, assets, tmp_path):

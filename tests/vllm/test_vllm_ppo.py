@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.run_utils import read_metrics, run_trainer
+from tests.run_utils import biased_warm_start, read_metrics, run_trainer
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 ANSWER_MATCH = str(Path(__file__).resolve().parents[2] / "envs" / "answer_match.py")
@@ -31,17 +31,8 @@ STEPS, SAVED = 8, 6  # no reward rise is asserted, so a short run does
 def warm_start(assets, tmp_path_factory):
     """As test_ppo_e2e's warm start (256 SFT steps on sft_biased), on hidden 96 with 3 heads of 32
     dims (vLLM's CPU attention needs head_dim >= 32)."""
-    from RL2.tools.make_assets import build_tiny_model, write_datasets
-
-    root = tmp_path_factory.mktemp("vllm_ppo_warm")
-    build_tiny_model(str(root / "model"), assets["tokenizer"], "qwen2", hidden=96, layers=2,
-                     heads=3, kv_heads=3)
-    write_datasets(str(root / "data"), n_train=1024, n_test=64)
-    run_trainer("sft", 1, [f"actor.model_name={root / 'model'}",
-                           f"data.train.path={root / 'data' / 'sft_biased_train.jsonl'}",
-                           "data.train.batch_size=32", "actor.lr=3e-3", "actor.scheduler=cosine",
-                           "trainer.n_epochs=8"], root / "sft")
-    return {"model": str(root / "sft" / "run" / "final"), "data": root / "data"}
+    return biased_warm_start(tmp_path_factory.mktemp("vllm_ppo_warm"), assets["tokenizer"],
+                             hidden=96, layers=2, heads=3, kv_heads=3)
 
 
 def ppo_args(warm, *extra):

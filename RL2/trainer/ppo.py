@@ -47,7 +47,24 @@ def timed(timings: dict, name: str):
 def check_config(cfg):
     """Cross-key checks that need no model, so a typo stops the run in seconds. Raises SystemExit
     with what to change."""
-    a, r, problems = cfg.actor, cfg.actor.rollout, []
+    problems = _algorithm_problems(cfg) + _rollout_problems(cfg.actor.rollout)
+    problems += check_placement(cfg.actor.rollout) + check_async_config(cfg)
+    r = cfg.actor.rollout
+    # A rollout sequence must fit one micro-batch of every worker that reads it.
+    workers = ["actor"] + (["critic"] if cfg.adv.estimator == "gae" else [])
+    for w in workers:
+        capacity = token_capacity(cfg[w])
+        if r.max_length > capacity:
+            problems.append(f"actor.rollout.max_length={r.max_length} exceeds {w}.max_length_per_device"
+                            f"*sp_size*tp_size={capacity}: lower the first or raise the second")
+    if problems:
+        raise SystemExit("invalid PPO config:\n  " + "\n  ".join(problems))
+    if cfg.adv.estimator in ("reinforce", "rloo") and r.responses_per_prompt == 1:
+        logger.warning("responses_per_prompt=1 with a group baseline: every advantage is 0")
+
+
+def _algorithm_problems(cfg) -> list[str]:
+    a, problems = cfg.actor, []
     estimators = (*OUTCOME_ESTIMATORS, "gae")
     if cfg.adv.estimator not in estimators:
         problems.append(f"adv.estimator={cfg.adv.estimator!r}: use one of {estimators}")
@@ -77,9 +94,13 @@ def check_config(cfg):
         problems.append(f"actor.tis_coef={a.tis_coef} must be > 0 (or null)")
     if a.freeze_steps and cfg.adv.estimator != "gae":
         problems.append("actor.freeze_steps warms up the critic: it needs adv.estimator=gae")
-    n = r.responses_per_prompt
-    if cfg.adv.estimator == "rloo" and n < 2:
+    if cfg.adv.estimator == "rloo" and a.rollout.responses_per_prompt < 2:
         problems.append("adv.estimator=rloo needs actor.rollout.responses_per_prompt >= 2")
+    return problems
+
+
+def _rollout_problems(r) -> list[str]:
+    problems, n = [], r.responses_per_prompt
     if r.dynamic_filtering and n < 2:
         problems.append("actor.rollout.dynamic_filtering drops groups with equal rewards: "
                         "it needs actor.rollout.responses_per_prompt >= 2")
@@ -92,26 +113,13 @@ def check_config(cfg):
                         f"test_responses_per_prompt={r.test_responses_per_prompt}]")
     if r.weight_sync not in TRANSPORTS:
         problems.append(f"actor.rollout.weight_sync={r.weight_sync!r}: use one of {TRANSPORTS}")
-    problems += check_placement(r)
     if r.bucket_mb <= 0:
         problems.append(f"actor.rollout.bucket_mb={r.bucket_mb} must be > 0")
     if r.env_workers < 0:
         problems.append(f"actor.rollout.env_workers={r.env_workers} must be >= 0")
-    problems += check_async_config(cfg)
     if not 0 <= r.max_failed_ratio <= 1:
         problems.append(f"actor.rollout.max_failed_ratio={r.max_failed_ratio} must be in [0, 1]")
-    # A rollout sequence must fit one micro-batch of every worker that reads it.
-    workers = ["actor"] + (["critic"] if cfg.adv.estimator == "gae" else [])
-    for w in workers:
-        c = cfg[w]
-        capacity = token_capacity(c)
-        if r.max_length > capacity:
-            problems.append(f"actor.rollout.max_length={r.max_length} exceeds {w}.max_length_per_device"
-                            f"*sp_size*tp_size={capacity}: lower the first or raise the second")
-    if problems:
-        raise SystemExit("invalid PPO config:\n  " + "\n  ".join(problems))
-    if cfg.adv.estimator in ("reinforce", "rloo") and n == 1:
-        logger.warning("responses_per_prompt=1 with a group baseline: every advantage is 0")
+    return problems
 
 
 def check_async_config(cfg) -> list[str]:

@@ -61,13 +61,15 @@ class FakeRollout:
     engine, loop = None, None
 
     def __init__(self):
-        self.calls, self.producer = [], None
+        self.calls = []
 
     def run_batch(self, prompt_source, t):
         from RL2.rollout.rollout import RolloutBatch
 
         assert prompt_source(0) == (t, 0)
-        self.calls.append((t, self.producer.engine_version))
+        # `clock` is set by Producer before its thread starts (a `producer` attribute assigned
+        # after the constructor returned raced with the thread's first batch under load)
+        self.calls.append((t, self.clock()))
         return RolloutBatch(t)
 
 
@@ -75,7 +77,7 @@ def test_producer_schedule_and_quiesce():
     from RL2.rollout.producer import Producer
 
     fake = FakeRollout()
-    fake.producer = p = Producer(fake, lambda t, k: (t, k), k=2, mode="none", version=0, n_steps=6)
+    p = Producer(fake, lambda t, k: (t, k), k=2, mode="none", version=0, n_steps=6)
     assert p.get(0).step == 0
     p.publish(1, None)
     p.quiesce()  # parks before batch 1 + 2 + 1: batches 1-3 are generated, 4 is not started
@@ -89,7 +91,7 @@ def test_producer_schedule_and_quiesce():
     assert fake.calls == [(t, max(0, t - 2)) for t in range(6)]
     # a resumed producer continues after its buffered batches, from the checkpoint's version
     fake2 = FakeRollout()
-    fake2.producer = q = Producer(fake2, lambda t, k: (t, k), k=2, mode="none", version=2, n_steps=6,
+    q = Producer(fake2, lambda t, k: (t, k), k=2, mode="none", version=2, n_steps=6,
                                   buffered={2: None, 3: None, 4: None})
     q.publish(3, None)
     assert q.get(5).step == 5 and fake2.calls == [(5, 3)]

@@ -92,7 +92,7 @@ def test_producer_schedule_and_quiesce():
     # a resumed producer continues after its buffered batches, from the checkpoint's version
     fake2 = FakeRollout()
     q = Producer(fake2, lambda t, k: (t, k), k=2, mode="none", version=2, n_steps=6,
-                                  buffered={2: None, 3: None, 4: None})
+                 buffered={2: None, 3: None, 4: None})
     q.publish(3, None)
     assert q.get(5).step == 5 and fake2.calls == [(5, 3)]
     q.stop()

@@ -10,6 +10,7 @@ State-dict names are the HF names with `.base_layer` inserted and `.lora_{A,B}.d
 merged export.
 """
 import contextlib
+import importlib.util
 import os
 from typing import Iterable, Iterator
 
@@ -30,6 +31,9 @@ def check_config(cfg, name: str) -> list[str]:
     if not enabled(cfg):
         return []
     lora, problems = cfg.lora, []
+    if importlib.util.find_spec("peft") is None:
+        problems.append(f"{name}.lora.rank={lora.rank} needs PEFT, which is not installed: "
+                        f"pip install -e '.[peft]'")
     if cfg.tp_size > 1:
         problems.append(
             f"{name}.lora.rank > 0 does not compose with {name}.tp_size={cfg.tp_size}: the TP plans "

@@ -215,3 +215,17 @@ def test_reward_model_trains_adapters_and_head_and_exports_them(assets, tmp_path
     with torch.no_grad():
         want, got = merged(input_ids=ids).logits, peft(input_ids=ids).logits
     assert torch.allclose(got, want, atol=1e-5) and want.abs().max() > 0.1
+
+
+def test_missing_peft_is_named_at_start_up(monkeypatch):
+    import importlib.util
+
+    from omegaconf import OmegaConf
+
+    from RL2.workers import lora
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "peft" else real(n, *a))
+    cfg = OmegaConf.create({"tp_size": 1, "lora": {"rank": 4, "alpha": 8, "dropout": 0.0,
+                                                  "target_modules": ["q_proj"]}})
+    assert any("pip install -e '.[peft]'" in p for p in lora.check_config(cfg, "actor"))

@@ -75,8 +75,11 @@ def test_ppo_with_a_critic_raises_the_reward(warm_start, tmp_path):
     assert_rises([r["rollout/reward"] for r in rows])
     assert "actor/loss" not in rows[0] and "actor/loss" in rows[2]  # critic warm-up
     assert rows[2]["critic/lr"] == 3e-3 and rows[2]["actor/lr"] == 2e-3  # each its own lr
-    value_losses = [r["critic/value_loss"] for r in rows]
-    assert sum(value_losses[-5:]) / 5 < value_losses[0]  # the fresh value head learns
+    # The fresh value head learns: its loss (0.5 * MSE) relative to the returns' variance falls.
+    # Raw value losses also follow that variance, p(1-p) for a 0/1 reward, which grows as the
+    # reward rises from ~0.2 towards 0.5 (a run with a better critic failed the raw comparison).
+    rel = [r["critic/value_loss"] / r["rollout/reward_std"] ** 2 for r in rows]
+    assert sum(rel[-5:]) / 5 < rel[0], rel
 
 
 def write_two_question_data(warm, tmp_path):

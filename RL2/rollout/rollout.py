@@ -140,8 +140,12 @@ class Rollout:
         """A private copy of the model's full weights, (HF name, tensor) pairs, for this rank's
         engine to load later (None on ranks without one). A collective over the model's ranks,
         called on the trainer's thread."""
-        named = [(name, t.clone()) for name, t in self._sync_for(model, share=False).stream()]
-        return named if self.engine is not None else None
+        stream = self._sync_for(model, share=False).stream()
+        if self.engine is None:
+            for _ in stream:  # a collective: this rank takes part but keeps no copy
+                pass
+            return None
+        return [(name, t.clone()) for name, t in stream]
 
     def release(self):
         if self.engine is not None:

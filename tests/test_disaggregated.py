@@ -150,3 +150,31 @@ def test_bad_placement_configs_name_the_key(overrides, message):
 
     with pytest.raises(SystemExit, match=message):
         check_config(cfg_with(*overrides))
+
+
+def test_a_server_dying_mid_answer_is_a_named_runtime_error():
+    """A server killed while it sends its answer leaves a short body: http.client raises
+    IncompleteRead (an HTTPException, not an OSError). The client must turn it into its
+    RuntimeError so the pool retries the request elsewhere (it crashed a CI run)."""
+    import socket
+    import threading
+
+    from RL2.rollout.vllm_engine import VLLMServerEngine
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+
+    def answer_and_die():
+        conn, _ = listener.accept()
+        conn.recv(65536)
+        conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"cho")
+        conn.close()
+
+    thread = threading.Thread(target=answer_and_die, daemon=True)
+    thread.start()
+    client = object.__new__(VLLMServerEngine)  # only _http's state: no server handshake
+    client.url, client.timeout_s = f"http://127.0.0.1:{port}", 10
+    with pytest.raises(RuntimeError, match=f"127.0.0.1:{port}/inference/v1/generate failed: IncompleteRead"):
+        client._http("POST", "/inference/v1/generate", {"token_ids": [1]})
+    thread.join(5)
+    listener.close()

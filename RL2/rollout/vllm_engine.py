@@ -19,6 +19,7 @@ RUN: no GPU here).
 """
 import asyncio
 import concurrent.futures
+import http.client
 import json
 import logging
 import time
@@ -264,9 +265,13 @@ class VLLMServerEngine(_VLLMBase):
         except urllib.error.HTTPError as e:
             detail = e.read().decode(errors="replace")[:500]
             raise RuntimeError(f"vLLM server {self.url}{path}: HTTP {e.code}: {detail}") from None
-        except (urllib.error.URLError, OSError) as e:
+        except (urllib.error.URLError, OSError, http.client.HTTPException) as e:
+            # HTTPException: e.g. IncompleteRead when the server dies while sending its answer
             raise RuntimeError(f"vLLM server {self.url}{path} failed: {e}") from None
-        return json.loads(raw) if raw else None
+        try:
+            return json.loads(raw) if raw else None
+        except ValueError as e:
+            raise RuntimeError(f"vLLM server {self.url}{path} failed: bad JSON ({e})") from None
 
     async def _generate_one(self, prompt: list[int], sampling: dict) -> GenerationOutput:
         body = {"token_ids": prompt, "sampling_params": sampling, "output_mode": "tokens"}

@@ -90,7 +90,10 @@ def adapters_disabled(peft_model):
 
 
 def scalings(model) -> dict[str, float]:
-    """module path -> alpha / rank of every LoRA layer of `model`."""
+    """module path -> alpha / rank of every LoRA layer of `model` (none without PEFT installed:
+    weight sync calls this for every model, and the vLLM venv has no PEFT)."""
+    if importlib.util.find_spec("peft") is None:
+        return {}
     from peft.tuners.lora import LoraLayer
 
     return {name: m.scaling["default"] for name, m in model.named_modules() if isinstance(m, LoraLayer)}

@@ -143,6 +143,10 @@ def test_a_killed_server_is_replaced_then_none_left_stops_the_run(assets, env_pa
      "server_dtype"),
     (["actor.rollout.placement=disaggregated", "actor.rollout.servers=[a:1]", "actor.rollout.max_staleness=1"],
      "does not support actor.rollout.max_staleness"),
+    (["actor.rollout.placement=disaggregated", "actor.rollout.servers=[a:1]", "actor.rollout.transfer_backend=gloo"],
+     "actor.rollout.transfer_backend='gloo'"),
+    (["actor.rollout.placement=disaggregated", "actor.rollout.servers=[a:1]", "actor.rollout.transfer_backend=nccl",
+      "trainer.device=cpu"], "transfer_backend=nccl needs a CUDA trainer"),
 ])
 def test_bad_placement_configs_name_the_key(overrides, message):
     from tests.test_ppo import cfg_with
@@ -166,7 +170,14 @@ def test_a_server_dying_mid_answer_is_a_named_runtime_error():
 
     def answer_and_die():
         conn, _ = listener.accept()
-        conn.recv(65536)
+        request = b""
+        while b"\r\n\r\n" not in request:  # the whole request first: else the client sees a reset
+            request += conn.recv(65536)
+        head, body = request.split(b"\r\n\r\n", 1)
+        length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                          if line.lower().startswith(b"content-length")))
+        while len(body) < length:
+            body += conn.recv(65536)
         conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"cho")
         conn.close()
 

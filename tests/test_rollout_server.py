@@ -89,6 +89,8 @@ def test_server_generates_what_the_embedded_engine_generates(server, assets):
     ("/update_weights", {"update_info": {"names": ["x"], "dtype_names": ["float32"], "shapes": [[1]]}},
      None, "init_weight_transfer_engine was not called"),
     ("/init_weight_transfer_engine", {"init_info": {"host": "127.0.0.1"}}, "init_info", "port"),
+    ("/init_weight_transfer_engine", {"init_info": {"master_address": "h", "master_port": 1, "rank_offset": 1,
+                                                    "world_size": 2}}, "init_info", "rl2_gloo only, not nccl"),
     ("/update_weight_version", {}, "new_version", "new_version"),
 ])
 def test_bad_requests_are_clear_400s(server, path, body, param, words):

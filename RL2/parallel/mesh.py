@@ -14,13 +14,17 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 logger = logging.getLogger(__name__)
 
 
+def resolve_device(device: str = "auto") -> str:
+    """trainer.device -> "cuda" | "cpu" (auto: CUDA when present)."""
+    return ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
+
+
 def init_distributed(device: str = "auto") -> str:
     """Initialise the default process group from torchrun's env (or a 1-rank group without it).
 
     Returns the device type: "cuda" (NCCL) when CUDA is present and not disabled, else "cpu" (gloo).
     """
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = resolve_device(device)
     if device == "cuda" and not torch.cuda.is_available():
         raise ValueError("trainer.device=cuda but CUDA is not available; use trainer.device=cpu")
     if not dist.is_initialized():

@@ -25,7 +25,7 @@ import torch
 
 from RL2.rollout.engine import Engine, GenerationOutput, SamplingParams
 from RL2.rollout.vllm_engine import VLLMServerEngine
-from RL2.rollout.vllm_transfer import make_buckets
+from RL2.rollout.vllm_transfer import BACKEND, make_buckets
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +71,7 @@ class RemotePool(Engine):
     def __init__(self, servers: list[str], tokenizer=None, *, max_model_len: int = 2048,
                  dtype: str = "float32", bucket_mb: float = 512, timeout_s: float = 600.0,
                  health_timeout_s: float = 30.0, connect_timeout_s: float | None = None,
-                 transfer_host: str | None = None):
+                 transfer_host: str | None = None, transfer_backend: str = BACKEND):
         """`timeout_s` bounds every generate and weight-transfer call; `health_timeout_s` is how
         long a server may leave /health unanswered; `connect_timeout_s` (default timeout_s) how
         long to wait for every server to come up at start."""
@@ -88,7 +88,7 @@ class RemotePool(Engine):
             client = VLLMServerEngine(
                 url, tokenizer, max_model_len=max_model_len, dtype=dtype, bucket_mb=bucket_mb,
                 timeout_s=timeout_s, connect_timeout_s=connect_timeout_s or timeout_s,
-                transfer_host=transfer_host or address_towards(url))
+                transfer_host=transfer_host or address_towards(url), transfer_backend=transfer_backend)
             client._close_loop()  # the pool's loop runs everything
             self.servers.append(_Server(i, client))
         self.next_version: str | None = None  # label of the next sync (the trainer's step)
@@ -239,15 +239,25 @@ class RemotePool(Engine):
             self.loop.close()
 
 
-def make_pool(cfg, tokenizer) -> RemotePool:
-    """The pool of `actor.rollout` (cfg): servers, timeouts, bucket size, wire dtype."""
+def transfer_backend(r, device: str) -> str:
+    """`actor.rollout.transfer_backend` (r) resolved for a trainer on `device` (cpu | cuda)."""
+    backend = r.get("transfer_backend", "auto")
+    if backend == "auto":
+        return "nccl" if device == "cuda" else BACKEND
+    return backend
+
+
+def make_pool(cfg, tokenizer, device: str) -> RemotePool:
+    """The pool of `actor.rollout` (cfg): servers, timeouts, bucket size, wire dtype and backend."""
     return RemotePool(list(cfg.servers), tokenizer, max_model_len=cfg.max_model_len or cfg.max_length,
                       dtype=cfg.server_dtype, bucket_mb=cfg.bucket_mb, timeout_s=cfg.server_timeout,
-                      health_timeout_s=cfg.health_timeout, transfer_host=cfg.transfer_host)
+                      health_timeout_s=cfg.health_timeout, transfer_host=cfg.transfer_host,
+                      transfer_backend=transfer_backend(cfg, device))
 
 
-def check_placement(r) -> list[str]:
-    """Config problems of the placement keys of `actor.rollout` (r), each naming the key."""
+def check_placement(r, device: str = "cpu") -> list[str]:
+    """Config problems of the placement keys of `actor.rollout` (r), each naming the key, for a
+    trainer on `device` (trainer.device: cpu | cuda | auto)."""
     if r.placement not in ("colocated", "disaggregated"):
         return [f"actor.rollout.placement={r.placement!r}: use colocated or disaggregated"]
     if r.placement == "colocated":
@@ -269,6 +279,12 @@ def check_placement(r) -> list[str]:
     for key in ("server_timeout", "health_timeout"):
         if not r[key] > 0:
             problems.append(f"actor.rollout.{key}={r[key]} must be > 0")
+    backend = r.get("transfer_backend", "auto")
+    if backend not in ("auto", BACKEND, "nccl"):
+        problems.append(f"actor.rollout.transfer_backend={backend!r}: use auto, {BACKEND} or nccl")
+    elif backend == "nccl" and device == "cpu":
+        problems.append("actor.rollout.transfer_backend=nccl needs a CUDA trainer (trainer.device=cpu): "
+                        f"use {BACKEND} (the servers' --weight-transfer-config backend)")
     if not isinstance(getattr(torch, str(r.server_dtype), None), torch.dtype):
         problems.append(f"actor.rollout.server_dtype={r.server_dtype!r} is not a torch dtype")
     return problems

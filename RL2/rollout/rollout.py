@@ -95,7 +95,7 @@ class Rollout:
             kw.update(self._sglang_group(model_path, kw))
         if self.is_leader and self.disaggregated:
             from RL2.rollout.remote import make_pool
-            self.engine = make_pool(cfg, tokenizer)
+            self.engine = make_pool(cfg, tokenizer, device)
         elif self.is_leader:
             self.engine = make_engine(self.kind, model_path, tokenizer, **kw)
             if getattr(self.engine, "loop", None) is not None:

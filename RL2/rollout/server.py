@@ -232,6 +232,9 @@ class EngineServer:
     # ------------------------------------------------------------------ weight transfer
     def init_transfer(self, body) -> dict:
         info = _field(body, "init_info", dict)
+        if "master_address" in info or "nccl_unique_id_b64" in info:
+            raise BadRequest("this RL2 server receives weights over rl2_gloo only, not nccl: set "
+                             "actor.rollout.transfer_backend=rl2_gloo", "init_info")
         try:
             host, port, world = str(info["host"]), int(info["port"]), int(info["world_size"])
         except (KeyError, TypeError, ValueError) as e:

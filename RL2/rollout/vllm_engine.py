@@ -14,8 +14,8 @@ log-probs from vLLM's `logprobs_mode="processed_logprobs"` (the server must be s
 greedy, which equals RL2's convention when top_p = 1 and top_k is off (with top-p/top-k vLLM
 renormalises over the kept tokens first: those log-probs are >= the trainer's); weight sync via
 vLLM's weight-transfer API (start -> update per bucket -> finish with a version), backend
-`rl2_gloo` on CPU (RL2/rollout/vllm_transfer.py), vLLM's `nccl` on CUDA (colocated only; NOT
-RUN: no GPU here).
+`rl2_gloo` on CPU (RL2/rollout/vllm_transfer.py), vLLM's `nccl` on CUDA (colocated, and servers
+with `actor.rollout.transfer_backend`; NOT RUN: no GPU here).
 """
 import asyncio
 import concurrent.futures
@@ -235,11 +235,18 @@ class VLLMServerEngine(_VLLMBase):
 
     def __init__(self, url: str, tokenizer=None, *, max_model_len: int = 2048,
                  dtype: str = "float32", bucket_mb: float = 512, timeout_s: float = 600.0,
-                 connect_timeout_s: float = 30.0, transfer_host: str = "127.0.0.1", **_):
+                 connect_timeout_s: float = 30.0, transfer_host: str = "127.0.0.1",
+                 transfer_backend: str = BACKEND, **_):
         """`connect_timeout_s`: how long to wait for the server's /health at start.
-        `transfer_host`: this machine's address as the server sees it (weight-sync group)."""
+        `transfer_host`: this machine's address as the server sees it (weight-sync group).
+        `transfer_backend`: the server's `--weight-transfer-config` backend: `rl2_gloo` (CPU
+        tensors; the server needs RL2's plugin) or vLLM's `nccl` (CUDA trainer and server;
+        the trainer then needs vLLM installed for its rendezvous helper; NOT RUN)."""
+        if transfer_backend not in (BACKEND, "nccl"):
+            raise ValueError(f"transfer_backend={transfer_backend!r}: use {BACKEND} or nccl")
         self._setup(tokenizer, max_model_len, dtype, bucket_mb, timeout_s)
         self.url, self.transfer_host = url.rstrip("/"), transfer_host
+        self.transfer_backend = transfer_backend
         # blocking HTTP calls run here: the default executor has only cores + 4 threads
         self._pool = concurrent.futures.ThreadPoolExecutor(64, thread_name_prefix="rl2-vllm-http")
         deadline = time.monotonic() + connect_timeout_s
@@ -288,8 +295,9 @@ class VLLMServerEngine(_VLLMBase):
                 "finish_weight_update": {"weight_version": payload}}.get(method)
         return await asyncio.to_thread(self._http, "POST", "/" + method, body)
 
-    def _new_sender(self) -> GlooSender:
-        return GlooSender(n_workers=self.n_workers, timeout_s=self.timeout_s, host=self.transfer_host)
+    def _new_sender(self) -> GlooSender | NcclSender:
+        cls = NcclSender if self.transfer_backend == "nccl" else GlooSender
+        return cls(n_workers=self.n_workers, timeout_s=self.timeout_s, host=self.transfer_host)
 
     def weight_version(self) -> str:
         return self._http("GET", "/weight_info")["weight_version"]

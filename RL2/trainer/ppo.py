@@ -23,6 +23,7 @@ from RL2.algorithms.ppo import actor_update, compute_advantages, critic_update, 
 from RL2.data.formats import tokenize_prompt
 from RL2.data.mixture import MixtureSampler, load_mixed_splits
 from RL2.data.packing import token_capacity
+from RL2.parallel.mesh import resolve_device
 from RL2.rollout.env import EnvError, load_env
 from RL2.rollout.producer import INFLIGHT_MODES, Producer, drop_stale
 from RL2.rollout.remote import check_placement
@@ -48,7 +49,7 @@ def check_config(cfg):
     """Cross-key checks that need no model, so a typo stops the run in seconds. Raises SystemExit
     with what to change."""
     problems = _algorithm_problems(cfg) + _rollout_problems(cfg.actor.rollout)
-    problems += check_placement(cfg.actor.rollout) + check_async_config(cfg)
+    problems += check_placement(cfg.actor.rollout, resolve_device(cfg.trainer.device)) + check_async_config(cfg)
     r = cfg.actor.rollout
     # A rollout sequence must fit one micro-batch of every worker that reads it.
     workers = ["actor"] + (["critic"] if cfg.adv.estimator == "gae" else [])

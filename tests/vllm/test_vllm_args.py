@@ -55,3 +55,29 @@ def test_every_argument_is_one_vllm_0_32_accepts(cuda):
     else:
         assert "device_ids" not in args and built.tensor_parallel_size == 1
         assert built.kv_cache_memory_bytes == 64 << 20 and built.enable_chunked_prefill is False
+
+
+def test_servers_on_cuda_get_vllms_nccl_init_info(monkeypatch):
+    """Disaggregated on CUDA (NOT RUN): `transfer_backend=auto` resolves to vLLM's `nccl` for a
+    CUDA trainer, and the init info the server client sends is one vLLM 0.32's NCCL engine
+    parses (the server's `init_weight_transfer_engine` builds this dataclass from the JSON)."""
+    from vllm.distributed.weight_transfer.nccl_common import NCCLWeightTransferInitInfo
+
+    from RL2.rollout.remote import transfer_backend
+    from RL2.rollout.vllm_engine import VLLMServerEngine
+    from RL2.rollout.vllm_transfer import GlooSender, NcclSender
+
+    cfg = rollout_cfg("actor.rollout.placement=disaggregated", "actor.rollout.servers=[h:1]")
+    assert transfer_backend(cfg, "cuda") == "nccl" and transfer_backend(cfg, "cpu") == "rl2_gloo"
+    client = object.__new__(VLLMServerEngine)  # the sender choice only: no server handshake
+    client.n_workers, client.timeout_s, client.transfer_host = 2, 30.0, "127.0.0.1"
+    client.transfer_backend = "nccl"
+    sender = client._new_sender()
+    assert isinstance(sender, NcclSender)
+    info = NCCLWeightTransferInitInfo(**sender.init_info())
+    assert (info.rank_offset, info.world_size, info.master_address) == (1, 3, "127.0.0.1")
+    assert info.packed is False  # NcclSender broadcasts tensor by tensor (vLLM's unpacked mode)
+    client.transfer_backend = "rl2_gloo"
+    gloo = client._new_sender()
+    assert isinstance(gloo, GlooSender) and gloo.init_info()["world_size"] == 3
+    gloo.close()

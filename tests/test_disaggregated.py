@@ -189,3 +189,18 @@ def test_a_server_dying_mid_answer_is_a_named_runtime_error():
         client._http("POST", "/inference/v1/generate", {"token_ids": [1]})
     thread.join(5)
     listener.close()
+
+
+def test_nccl_push_without_vllm_on_the_trainer_is_refused_at_start(monkeypatch):
+    """A CUDA trainer resolves transfer_backend=auto to vLLM's nccl, whose rendezvous helper is
+    vLLM's: without vLLM installed the run stops at the config check, naming the key."""
+    import importlib.util
+
+    from RL2.rollout.remote import check_placement
+    from tests.test_ppo import cfg_with
+
+    cfg = cfg_with("actor.rollout.placement=disaggregated", "actor.rollout.servers=[a:1]")
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a))
+    assert any("transfer_backend=auto means vLLM's nccl" in p for p in check_placement(cfg.actor.rollout, "cuda"))
+    assert check_placement(cfg.actor.rollout, "cpu") == []

@@ -16,6 +16,7 @@ disaggregated`, `actor.rollout.servers=[host:port, ...]`).
   With none left, the run stops with an error naming every server and its last error.
 """
 import asyncio
+import importlib.util
 import logging
 import socket
 import time
@@ -285,6 +286,10 @@ def check_placement(r, device: str = "cpu") -> list[str]:
     elif backend == "nccl" and device == "cpu":
         problems.append("actor.rollout.transfer_backend=nccl needs a CUDA trainer (trainer.device=cpu): "
                         f"use {BACKEND} (the servers' --weight-transfer-config backend)")
+    elif transfer_backend(r, device) == "nccl" and importlib.util.find_spec("vllm") is None:
+        problems.append(f"actor.rollout.transfer_backend={backend} means vLLM's nccl on CUDA, whose "
+                        "rendezvous needs vLLM on the trainer: pip install -e '.[vllm]', or set "
+                        f"actor.rollout.transfer_backend={BACKEND}")
     if not isinstance(getattr(torch, str(r.server_dtype), None), torch.dtype):
         problems.append(f"actor.rollout.server_dtype={r.server_dtype!r} is not a torch dtype")
     return problems

@@ -96,10 +96,15 @@ def test_server_dying_mid_rollout_is_a_clear_error(server, assets):
     proc, engine = server
     prompt = prompt_ids(assets["tokenizer"])[0]
 
+    async def keep_generating():
+        # Back-to-back requests until one fails: some are always in flight when the server dies
+        # (a fixed batch could finish before the kill on an idle machine; CI saw exactly that).
+        while True:
+            await engine.generate(prompt, SamplingParams(max_new_tokens=100, n=4))
+
     async def rollout_then_kill():
-        tasks = [asyncio.ensure_future(engine.generate(prompt, SamplingParams(max_new_tokens=100, n=4)))
-                 for _ in range(8)]
-        await asyncio.sleep(0.5)
+        tasks = [asyncio.ensure_future(keep_generating()) for _ in range(8)]
+        await asyncio.sleep(1.0)
         kill(proc)
         return await asyncio.gather(*tasks, return_exceptions=True)
 

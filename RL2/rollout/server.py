@@ -17,7 +17,8 @@ Routes and JSON shapes (vLLM source cited per route; errors are vLLM's `ErrorRes
   POST /update_weight_version         {"new_version": str}
   GET  /weight_info                   {"weight_version": str} ("default" until set, as vLLM)
 Weights arrive over the `rl2_gloo` wire format (RL2/rollout/vllm_transfer.py): this server is
-worker rank `rank_offset` (default 1) of the trainer's gloo group.
+worker rank `rank_offset` (default 1) of the trainer's gloo group. Request bodies are checked in
+RL2/rollout/server_protocol.py.
 
 Threads: HTTP handlers run in threads; the engine lives on one asyncio loop in its own thread.
 Weight loads and pause(keep) "park" that loop (a callback blocks it between decode steps), so the
@@ -36,25 +37,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import torch
 
-from RL2.rollout.engine import GenerationOutput, SamplingParams
+from RL2.rollout.server_protocol import BadRequest, field, parse_generate
 from RL2.rollout.torch_engine import TorchEngine
 from RL2.rollout.vllm_transfer import open_group, layout, unpack
 
 logger = logging.getLogger("RL2.server")
-
-# vLLM SamplingParams keys this server honours; anything else is a 400 naming the key.
-SAMPLING_KEYS = {"temperature", "top_p", "top_k", "max_tokens", "stop", "stop_token_ids", "seed",
-                 "logprobs", "n", "include_stop_str_in_output", "skip_special_tokens",
-                 "ignore_eos", "detokenize"}
-GENERATE_KEYS = {"request_id", "token_ids", "sampling_params", "model", "output_mode", "stream",
-                 "return_token_ids", "priority"}
-
-
-class BadRequest(ValueError):
-    def __init__(self, message: str, param: str | None = None):
-        super().__init__(message)
-        self.param = param
-
 
 class ServedEngine(TorchEngine):
     """TorchEngine with vLLM's request semantics: a request's seed is its sample's seed (vLLM
@@ -76,49 +63,6 @@ class ServedEngine(TorchEngine):
 
     def abort_all(self) -> None:
         self._abort_all()  # in-flight requests end now with their tokens so far, "abort"
-
-
-def parse_generate(body: dict, vocab_size: int) -> tuple[list[int], SamplingParams, bool]:
-    """A vLLM GenerateRequest body -> (prompt ids, RL2 sampling params, want log-probs).
-    Raises BadRequest naming the field."""
-    if not isinstance(body, dict):
-        raise BadRequest("request body must be a JSON object")
-    unknown = sorted(set(body) - GENERATE_KEYS)
-    if unknown:
-        raise BadRequest(f"unsupported field(s) {unknown}", unknown[0])
-    ids = body.get("token_ids")
-    if not isinstance(ids, list) or not ids or not all(type(t) is int for t in ids):
-        raise BadRequest("token_ids must be a non-empty list of ints", "token_ids")
-    if min(ids) < 0 or max(ids) >= vocab_size:
-        raise BadRequest(f"token_ids must be in [0, {vocab_size})", "token_ids")
-    if body.get("output_mode", "tokens") != "tokens" or body.get("stream"):
-        raise BadRequest("this server answers output_mode='tokens' without streaming", "output_mode")
-    sp = body.get("sampling_params")
-    if not isinstance(sp, dict):
-        raise BadRequest("sampling_params must be a JSON object", "sampling_params")
-    unknown = sorted(set(sp) - SAMPLING_KEYS)
-    if unknown:
-        raise BadRequest(f"unsupported sampling_params {unknown}", f"sampling_params.{unknown[0]}")
-    for key, ok, why in [
-            ("n", sp.get("n", 1) == 1, "one sample per request (send n requests)"),
-            ("ignore_eos", not sp.get("ignore_eos", False), "ignore_eos=true is not supported"),
-            ("include_stop_str_in_output", sp.get("include_stop_str_in_output", True) is True,
-             "stop strings are always included in the output"),
-            ("logprobs", sp.get("logprobs") in (None, 0), "only the sampled token's log-prob (0)")]:
-        if not ok:
-            raise BadRequest(f"sampling_params.{key}: {why}", f"sampling_params.{key}")
-    top_k = sp.get("top_k", 0)
-    seed = sp.get("seed")
-    try:
-        params = SamplingParams(
-            temperature=float(sp.get("temperature", 1.0)), top_p=float(sp.get("top_p", 1.0)),
-            top_k=-1 if top_k in (0, -1, None) else top_k, max_new_tokens=sp.get("max_tokens", 16),
-            stop=list(sp.get("stop") or []), stop_token_ids=[int(t) for t in sp.get("stop_token_ids") or []],
-            seed=None if seed is None else int(seed))
-        params.validate()
-    except (TypeError, ValueError) as e:
-        raise BadRequest(f"sampling_params: {e}", "sampling_params") from None
-    return ids, params, sp.get("logprobs") is not None
 
 
 class EngineServer:
@@ -231,7 +175,7 @@ class EngineServer:
 
     # ------------------------------------------------------------------ weight transfer
     def init_transfer(self, body) -> dict:
-        info = _field(body, "init_info", dict)
+        info = field(body, "init_info", dict)
         if "master_address" in info or "nccl_unique_id_b64" in info:
             raise BadRequest("this RL2 server receives weights over rl2_gloo only, not nccl: set "
                              "actor.rollout.transfer_backend=rl2_gloo", "init_info")
@@ -259,7 +203,7 @@ class EngineServer:
 
     def update_weights(self, body) -> dict:
         self._need_group()
-        info = _field(body, "update_info", dict)
+        info = field(body, "update_info", dict)
         names, dnames, shapes = (info.get(k) for k in ("names", "dtype_names", "shapes"))
         if not (isinstance(names, list) and isinstance(dnames, list) and isinstance(shapes, list)
                 and len(names) == len(dnames) == len(shapes)):
@@ -298,14 +242,58 @@ class EngineServer:
         self.engine.shutdown()
 
 
-def _field(body, key: str, kind):
-    value = (body or {}).get(key) if isinstance(body, dict) else None
-    if not isinstance(value, kind):
-        raise BadRequest(f"body needs {key!r} ({kind.__name__})", key)
-    return value
+class Handler(BaseHTTPRequestHandler):
+    """Routes one request to its EngineServer call; `make_handler` binds the routes."""
+
+    get_routes: dict = {}   # path -> f(query, body) -> JSON payload (None: empty body)
+    post_routes: dict = {}
+
+    def log_message(self, fmt, *args):  # access log at debug level only
+        logger.debug("%s " + fmt, self.address_string(), *args)
+
+    def _send(self, code: int, payload) -> None:
+        data = b"" if payload is None else json.dumps(payload).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _error(self, code: int, message: str, param=None) -> None:
+        phrase = {400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed"}.get(code, "Internal Server Error")
+        self._send(code, {"error": {"message": message, "type": phrase, "param": param, "code": code}})
+
+    def _dispatch(self, routes, other):
+        url = urllib.parse.urlsplit(self.path)
+        if url.path not in routes:
+            if url.path in other:
+                return self._error(405, f"{self.command} not allowed on {url.path}")
+            return self._error(404, f"no route {url.path}")
+        body = None
+        length = int(self.headers.get("Content-Length") or 0)
+        if length:
+            try:
+                body = json.loads(self.rfile.read(length))
+            except ValueError as e:
+                return self._error(400, f"invalid JSON body: {e}")
+        try:
+            result = routes[url.path](urllib.parse.parse_qs(url.query), body)
+        except BadRequest as e:
+            return self._error(400, str(e), e.param)
+        except Exception as e:  # noqa: BLE001 - reported to the client, logged here
+            logger.exception("%s failed", url.path)
+            return self._error(500, f"{type(e).__name__}: {e}")
+        self._send(200, result)
+
+    def do_GET(self):
+        self._dispatch(self.get_routes, self.post_routes)
+
+    def do_POST(self):
+        self._dispatch(self.post_routes, self.get_routes)
 
 
-def make_handler(server: EngineServer):
+def make_handler(server: EngineServer) -> type[Handler]:
+    """A Handler class whose routes call `server` (the HTTP server builds one per request)."""
     s = server
     get_routes = {
         "/health": lambda q, b: None,
@@ -321,55 +309,10 @@ def make_handler(server: EngineServer):
         "/start_weight_update": lambda q, b: (s._need_group(), {"message": "Weight update started"})[1],
         "/update_weights": lambda q, b: s.update_weights(b),
         "/finish_weight_update": lambda q, b: s.finish(b),
-        "/update_weight_version": lambda q, b: s.set_version(str(_field(b, "new_version", str))),
+        "/update_weight_version": lambda q, b: s.set_version(str(field(b, "new_version", str))),
         "/shutdown_weight_transfer_engine": lambda q, b: s.retire_group(),
     }
-
-    class Handler(BaseHTTPRequestHandler):
-        def log_message(self, fmt, *args):  # access log at debug level only
-            logger.debug("%s " + fmt, self.address_string(), *args)
-
-        def _send(self, code: int, payload) -> None:
-            data = b"" if payload is None else json.dumps(payload).encode()
-            self.send_response(code)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def _error(self, code: int, message: str, param=None) -> None:
-            phrase = {400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed"}.get(code, "Internal Server Error")
-            self._send(code, {"error": {"message": message, "type": phrase, "param": param, "code": code}})
-
-        def _dispatch(self, routes, other):
-            url = urllib.parse.urlsplit(self.path)
-            if url.path not in routes:
-                if url.path in other:
-                    return self._error(405, f"{self.command} not allowed on {url.path}")
-                return self._error(404, f"no route {url.path}")
-            body = None
-            length = int(self.headers.get("Content-Length") or 0)
-            if length:
-                try:
-                    body = json.loads(self.rfile.read(length))
-                except ValueError as e:
-                    return self._error(400, f"invalid JSON body: {e}")
-            try:
-                result = routes[url.path](urllib.parse.parse_qs(url.query), body)
-            except BadRequest as e:
-                return self._error(400, str(e), e.param)
-            except Exception as e:  # noqa: BLE001 - reported to the client, logged here
-                logger.exception("%s failed", url.path)
-                return self._error(500, f"{type(e).__name__}: {e}")
-            self._send(200, result)
-
-        def do_GET(self):
-            self._dispatch(get_routes, post_routes)
-
-        def do_POST(self):
-            self._dispatch(post_routes, get_routes)
-
-    return Handler
+    return type("BoundHandler", (Handler,), {"get_routes": get_routes, "post_routes": post_routes})
 
 
 def build_parser() -> argparse.ArgumentParser:

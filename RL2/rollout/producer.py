@@ -136,8 +136,11 @@ class Producer:
             return
         with self.cond:
             weights = self.snapshots[version]
-        if self.rollout.engine is not None:
-            self.rollout.engine.update_weights(iter(weights))
+        engine = self.rollout.engine
+        if engine is not None:
+            if hasattr(engine, "next_version"):  # engine servers report the version they hold
+                engine.next_version = str(version)
+            engine.update_weights(iter(weights))
         self.engine_version = version
         with self.cond:  # older snapshots are never needed again
             for v in [v for v in self.snapshots if v < version]:

@@ -264,9 +264,10 @@ def check_placement(r, device: str = "cpu") -> list[str]:
     if r.placement == "colocated":
         return []
     problems = []
-    if r.get("max_staleness", 0):
-        problems.append("actor.rollout.placement=disaggregated does not support actor.rollout.max_staleness"
-                        " >= 1 yet (asynchronous rollout runs on colocated engines): set it to 0")
+    if r.get("max_staleness", 0) and r.get("inflight_update", "none") != "none":
+        # the pool cannot abort a server's running requests (no abort route is used)
+        problems.append(f"actor.rollout.placement=disaggregated with actor.rollout.max_staleness >= 1 "
+                        f"supports actor.rollout.inflight_update=none only, not {r.inflight_update!r}")
     if not r.servers:
         problems.append("actor.rollout.placement=disaggregated needs actor.rollout.servers=[host:port,...]")
     for a in r.servers:

@@ -24,6 +24,7 @@ from RL2.data.formats import tokenize_prompt
 from RL2.data.mixture import MixtureSampler, load_mixed_splits
 from RL2.data.packing import token_capacity
 from RL2.parallel.mesh import resolve_device
+from RL2.rollout.engine import resolve_engine_kind
 from RL2.rollout.env import EnvError, load_env
 from RL2.rollout.producer import INFLIGHT_MODES, Producer, drop_stale
 from RL2.rollout.remote import check_placement
@@ -131,6 +132,13 @@ def check_async_config(cfg) -> list[str]:
     if r.inflight_update not in INFLIGHT_MODES:
         problems.append(f"actor.rollout.inflight_update={r.inflight_update!r}: use one of {INFLIGHT_MODES}")
     if r.max_staleness > 0:
+        kind = resolve_engine_kind(r.engine, resolve_device(cfg.trainer.device))
+        if kind != "torch" and r.placement == "colocated":
+            # The producer thread drives the engine's event loop and loads weights mid-generation;
+            # only the torch engine is built and tested for that (SGLang/vLLM bind their loop).
+            problems.append(f"actor.rollout.max_staleness > 0 needs actor.rollout.engine=torch "
+                            f"(engine={r.engine} resolves to {kind}: asynchronous rollout is "
+                            "implemented for the embedded torch engine only)")
         if r.tp_size != 1:
             problems.append("actor.rollout.max_staleness > 0 needs actor.rollout.tp_size=1 (one engine per rank)")
         if r.reward_model:

@@ -65,6 +65,7 @@ class _Server:
     def __init__(self, index: int, client: VLLMServerEngine):
         self.index, self.client, self.url = index, client, client.url
         self.in_flight = 0
+        self.served = 0  # generate calls answered (least-loaded dispatch spreads them)
         self.error: str | None = None  # set when the server is dropped
 
 
@@ -102,7 +103,10 @@ class RemotePool(Engine):
         return [s for s in self.servers if s.error is None]
 
     def pool_metrics(self) -> dict:
-        return {"servers_live": float(len(self.live())), **{k: float(v) for k, v in self.counts.items()}}
+        """Live/lost servers, retries, and the fewest/most calls any live server has answered."""
+        served = [s.served for s in self.live()] or [0]
+        return {"servers_live": float(len(self.live())), **{k: float(v) for k, v in self.counts.items()},
+                "server_requests_min": float(min(served)), "server_requests_max": float(max(served))}
 
     def _drop(self, server: _Server, reason: str) -> None:
         if server.error is not None:
@@ -166,7 +170,9 @@ class RemotePool(Engine):
             server = min(self._check_any(), key=lambda s: (s.in_flight, s.index))
             server.in_flight += 1
             try:
-                return await self._call(server, server.client.generate(prompt_ids, params))
+                out = await self._call(server, server.client.generate(prompt_ids, params))
+                server.served += 1
+                return out
             except _ServerLost:
                 self.counts["requests_retried"] += 1
             except _Transient as e:

@@ -109,7 +109,7 @@ class SharedFile:
         self.buffer = torch.frombuffer(self._map, dtype=torch.uint8)
 
     def view(self, half: int, region) -> torch.Tensor:
-        """The typed view of buffer `half` where `region` (weight_sync._Region) lives."""
+        """The typed view of buffer `half` where `region` (weight_layout.Region) lives."""
         start = half * self.size + region.offset
         return self.buffer[start:start + region.nbytes].view(region.dtype).view(region.shape)
 

@@ -21,7 +21,8 @@ full tensors are produced (the transport) is chosen once per run by `WeightSync`
   multi-host fallback).
 
 Every rank walks the state dict in the same order (the transports are collectives), so a sync
-must run outside any rollout coroutine.
+must run outside any rollout coroutine. Where each tensor sits in a bucket (pure planning, the
+same on every rank): RL2/rollout/weight_layout.py.
 """
 from __future__ import annotations
 
@@ -29,20 +30,19 @@ import logging
 import os
 import socket
 import time
-from dataclasses import dataclass
 from typing import Iterator
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor
 
 from RL2.parallel.collectives import group_device
 from RL2.rollout.shm import SHM_DIR, SharedFile
+from RL2.rollout.weight_layout import ALIGN, Region, gather_plan, padded, piece, plan
 
 logger = logging.getLogger(__name__)
 
 TRANSPORTS = ("auto", "local", "shm", "gather")
-_ALIGN = 64  # region alignment in the shared file: any dtype view is legal, cache lines not shared
 
 
 def _cast(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
@@ -65,51 +65,6 @@ def _raw_local(tensor) -> torch.Tensor:
     """This rank's shard itself: `to_local()` is an autograd function (a large share of a small
     model's sync); the raw attribute is only read under no_grad, as a copy source."""
     return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
-
-
-@dataclass
-class _Region:
-    """Where one full tensor lives in a shared bucket, and which part of it this rank writes."""
-    name: str
-    bucket: int
-    offset: int          # bytes from the bucket start
-    shape: tuple
-    dtype: torch.dtype
-    index: tuple | None  # slices of the full tensor this rank writes; None = another rank does
-
-    @property
-    def nbytes(self) -> int:
-        return _numel(self.shape) * self.dtype.itemsize
-
-
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
-
-
-def _piece(buffer: torch.Tensor, offset: int, shape, dtype: torch.dtype) -> torch.Tensor:
-    """A typed view of `buffer` (uint8) starting at byte `offset`."""
-    nbytes = _numel(shape) * dtype.itemsize
-    return buffer[offset:offset + nbytes].view(dtype).view(shape)
-
-
-def _shard_index(tensor: torch.Tensor):
-    """Slices of the full tensor held by this rank, or None when an equal replica on another rank
-    writes it (the replica at coordinate 0 of every Replicate mesh dim writes)."""
-    if not isinstance(tensor, DTensor):
-        return tuple(slice(0, s) for s in tensor.shape) if dist.get_rank() == 0 else None
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    mesh = tensor.device_mesh
-    coord = mesh.get_coordinate()
-    if any(isinstance(p, Replicate) and coord[d] != 0 for d, p in enumerate(tensor.placements)):
-        return None
-    if any(p.is_partial() for p in tensor.placements):
-        raise ValueError("weight sync: partial (unreduced) DTensors cannot be synced")
-    shape, offset = compute_local_shape_and_global_offset(tensor.shape, mesh, tensor.placements)
-    return tuple(slice(o, o + s) for o, s in zip(offset, shape))
 
 
 class WeightSync:
@@ -141,7 +96,7 @@ class WeightSync:
         # chosen on the first sync: "aliased" (local, the engine uses the trainer's tensors),
         # "shared" / "buckets" (shm); None = streamed copies
         self.mode = None
-        self._regions: list[_Region] | None = None
+        self._regions: list[Region] | None = None
         self._file: SharedFile | None = None
         self._views: list[list[torch.Tensor]] = []
         self._used = 0  # buckets written so far: selects the half to write next
@@ -152,10 +107,10 @@ class WeightSync:
 
     def _choose(self, transport: str) -> str:
         tensors = list(self._params.values())
-        sizes = [-(-t.numel() * self._dtype_of(t).itemsize // _ALIGN) * _ALIGN for t in tensors]
+        sizes = [padded(t.numel() * self._dtype_of(t).itemsize) for t in tensors]
         self.model_bytes = sum(sizes)
         # A bucket never needs more than the whole model, and must hold the largest tensor.
-        self.bucket_bytes = max(min(self.bucket_bytes, self.model_bytes), max(sizes, default=0), _ALIGN)
+        self.bucket_bytes = max(min(self.bucket_bytes, self.model_bytes), max(sizes, default=0), ALIGN)
         dtensors = [t for t in tensors if isinstance(t, DTensor)]
         one_rank = all(t.device_mesh.size() == 1 for t in dtensors)
         if transport == "local" and not one_rank:
@@ -208,22 +163,11 @@ class WeightSync:
         self._regions = self._plan(self.bucket_bytes)
         indices = [None] * dist.get_world_size()
         dist.all_gather_object(indices, [r.index for r in self._regions])
-        n_buckets = self._regions[-1].bucket + 1 if self._regions else 0
-        self._pieces = [[[] for _ in indices] for _ in range(n_buckets)]
-        self._segment = [0] * n_buckets  # bytes every rank contributes to a bucket (padded)
-        for q, rank_indices in enumerate(indices):
-            used = [0] * n_buckets
-            for i, (r, index) in enumerate(zip(self._regions, rank_indices)):
-                if index is None:
-                    continue
-                nbytes = _numel(s.stop - s.start for s in index) * r.dtype.itemsize
-                self._pieces[r.bucket][q].append((i, index, used[r.bucket]))
-                used[r.bucket] += -(-nbytes // _ALIGN) * _ALIGN
-            self._segment = [max(a, b) for a, b in zip(self._segment, used)]
+        self._pieces, self._segment = gather_plan(self._regions, indices)
 
     def _stream_gathered(self) -> Iterator[tuple[str, torch.Tensor]]:
         """One flat all-gather per bucket (NCCL on GPU, gloo on CPU): every rank packs the shards
-        it owns (`_shard_index`: replicas send nothing) into one byte buffer, and cuts the full
+        it owns (`shard_index`: replicas send nothing) into one byte buffer, and cuts the full
         tensors out of the concatenation of all ranks' buffers."""
         if self._regions is None:
             self._setup_gather()
@@ -234,7 +178,7 @@ class WeightSync:
             send = torch.empty(seg, dtype=torch.uint8, device=device)
             for i, index, offset in pieces[rank]:
                 local = _cast(_raw_local(self._params[self._regions[i].name]).detach(), self.dtype)
-                _piece(send, offset, local.shape, local.dtype).copy_(local)
+                piece(send, offset, local.shape, local.dtype).copy_(local)
             recv = torch.empty(world * seg, dtype=torch.uint8, device=device)
             dist.all_gather_single(recv, send)
             full = {}
@@ -244,22 +188,14 @@ class WeightSync:
                     if i not in full:
                         full[i] = torch.empty(r.shape, dtype=r.dtype, device=device)
                     part = full[i][index]
-                    part.copy_(_piece(recv, q * seg + offset, part.shape, r.dtype))
+                    part.copy_(piece(recv, q * seg + offset, part.shape, r.dtype))
             for i in sorted(full):
                 yield self._regions[i].name, full[i]
 
     # ------------------------------------------------------------------ shared memory
-    def _plan(self, bucket_bytes: int) -> list[_Region]:
+    def _plan(self, bucket_bytes: int) -> list[Region]:
         """Bucket layout (same on every rank: it depends on names, shapes and dtypes only)."""
-        regions, bucket, offset = [], 0, 0
-        for name, tensor in self._params.items():
-            dtype = self._dtype_of(tensor)
-            nbytes = tensor.numel() * dtype.itemsize
-            if offset and offset + nbytes > bucket_bytes:
-                bucket, offset = bucket + 1, 0
-            regions.append(_Region(name, bucket, offset, tuple(tensor.shape), dtype, _shard_index(tensor)))
-            offset += -(-nbytes // _ALIGN) * _ALIGN
-        return regions
+        return plan(self._params, bucket_bytes, self._dtype_of)
 
     def _setup_shm(self, shared: bool) -> None:
         size = self.model_bytes if shared else self.bucket_bytes

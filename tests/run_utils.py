@@ -14,10 +14,12 @@ from tests.dist_utils import free_port
 def run_trainer(trainer: str, nproc: int, overrides: list[str], run_dir, timeout: float = 600,
                 extra_env: dict | None = None, check: bool = True,
                 crash_after_step: int | None = None,
-                crash_after_log_step: int | None = None) -> subprocess.CompletedProcess:
+                crash_after_log_step: int | None = None,
+                sigkill_in_update: int | None = None) -> subprocess.CompletedProcess:
     """`crash_after_step=N`: the run dies (like a killed job) right after saving step N's
     checkpoint (tests/crash_entry.py); set trainer.save_freq so that step N is saved.
-    `crash_after_log_step=N`: it dies right after logging step N (not checkpointed)."""
+    `crash_after_log_step=N`: it dies right after logging step N (not checkpointed).
+    `sigkill_in_update=N`: every rank SIGKILLs itself as its N-th PPO actor update starts."""
     entry = [f"RL2.trainer.{trainer}"]
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", WANDB_MODE="offline")
     env.update(extra_env or {})
@@ -27,6 +29,9 @@ def run_trainer(trainer: str, nproc: int, overrides: list[str], run_dir, timeout
     if crash_after_log_step is not None:
         entry = ["tests.crash_entry", trainer]
         env["RL2_TEST_CRASH_AFTER_LOG_STEP"] = str(crash_after_log_step)
+    if sigkill_in_update is not None:
+        entry = ["tests.crash_entry", trainer]
+        env["RL2_TEST_SIGKILL_IN_UPDATE"] = str(sigkill_in_update)
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
            "--master_addr=127.0.0.1", f"--master_port={free_port()}", "-m", *entry,
            f"trainer.save_dir={run_dir}", "trainer.experiment_name=run", "trainer.device=cpu",

@@ -1,9 +1,11 @@
 """Asynchronous rollout: PPO steps per minute for actor.rollout.max_staleness = 0, 1, 2, with an
 agentic environment whose `step` sleeps (tool latency 0.2-1 s per turn, 3 turns) and without it.
 
-    python -m benchmarks.bench_async [--quick] [--nproc 1] [--steps 8] [--update-epochs 4]
+    python -m benchmarks.bench_async [--quick] [--nproc 1] [--steps 8] [--update-epochs 4] [--servers 1]
 
 Launches `torchrun -m RL2.trainer.ppo` per setting (GRPO, tiny model, 1 process by default);
+with `--servers N` the engines are N RL2 engine servers (`placement=disaggregated`, one thread
+each) and the trainer builds none, so generation and the update run in separate processes;
 steps per minute = 60 / mean wall time of a step over steps 2..N (`time/step`: for k >= 1 the
 trainer's wait for its batch plus the update; step 1 is the warm-up). `--update-epochs` scales
 the update so that it takes about as long as a rollout with latency (the k = 0 row prints both).
@@ -16,6 +18,7 @@ import tempfile
 
 from benchmarks.bench_ppo import free_port, make_assets, read_steps
 from benchmarks.common import machine_description, table
+from tests.server_utils import kill, start_server
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -38,7 +41,7 @@ async def step(state, action, extra_info):
 '''
 
 
-def launch(args, model, data, env_path, k, run_dir):
+def launch(args, model, data, env_path, k, run_dir, servers=()):
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.nproc}",
            "--master_addr=127.0.0.1", f"--master_port={free_port()}", "-m", "RL2.trainer.ppo",
            f"actor.model_name={model}", f"data.train.path={data}/ppo_train.jsonl",
@@ -49,6 +52,8 @@ def launch(args, model, data, env_path, k, run_dir):
            f"actor.rollout.train_sampling_params.max_new_tokens={args.max_new_tokens}",
            f"actor.update_epochs={args.update_epochs}", "actor.lr=1e-4", "actor.rollout.dump_rollouts=false",
            "actor.rollout.env_workers=0", f"actor.rollout.max_staleness={k}"]
+    if servers:
+        cmd += ["actor.rollout.placement=disaggregated", f"actor.rollout.servers=[{','.join(servers)}]"]
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", WANDB_MODE="offline",
                PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=run_dir, timeout=args.timeout)
@@ -61,28 +66,39 @@ def run(args) -> str:
     rows = []
     with tempfile.TemporaryDirectory() as root:
         model, data = make_assets(root, args.size)
-        for latency in (True, False):
-            env_path = os.path.join(root, f"env_{latency}.py")
-            with open(env_path, "w") as f:
-                f.write(ENV.format(latency=latency))
-            base = None
-            for k in (0, 1, 2):
-                steps = launch(args, model, data, env_path, k, tempfile.mkdtemp(dir=root))
-                mean = sum(r["time/step"] for r in steps) / len(steps)
-                per_min = 60.0 / mean
-                base = base or per_min
-                update = sum(r.get("time/update", 0.0) for r in steps) / len(steps)
-                wait = sum(r["time/rollout"] for r in steps) / len(steps)
-                gen = sum(r.get("rollout/generate_seconds", r["time/rollout"]) for r in steps) / len(steps)
-                rows.append(["0.2-1 s x 3 turns" if latency else "none", k, per_min, per_min / base,
-                             gen, wait, update])
+        started = [start_server(model, os.path.join(root, f"server{i}.log")) for i in range(args.servers)]
+        try:
+            _measure(args, root, model, data, [a for _, a in started], rows)
+        finally:
+            for proc, _ in started:
+                kill(proc)
     headers = ["env latency", "max_staleness", "steps/min", "vs k=0", "rollout s (generation)",
                "trainer waits s", "update s"]
+    where = f"{args.servers} engine server(s)" if args.servers else "colocated engine"
     return "\n\n".join([
-        f"### Asynchronous rollout ({machine_description('cpu', 1)}; {args.nproc} process(es), model "
-        f"{args.size}, {args.prompts} prompts x {args.responses} responses x 3 turns x <= "
+        f"### Asynchronous rollout ({machine_description('cpu', 1)}; {args.nproc} process(es), {where}, "
+        f"model {args.size}, {args.prompts} prompts x {args.responses} responses x 3 turns x <= "
         f"{args.max_new_tokens} new tokens, update_epochs={args.update_epochs}; mean of steps 2..{args.steps})",
         table(headers, rows)])
+
+
+def _measure(args, root, model, data, servers, rows) -> None:
+    """One row per (env latency, k): steps/min and where a step's time goes."""
+    for latency in (True, False):
+        env_path = os.path.join(root, f"env_{latency}.py")
+        with open(env_path, "w") as f:
+            f.write(ENV.format(latency=latency))
+        base = None
+        for k in (0, 1, 2):
+            steps = launch(args, model, data, env_path, k, tempfile.mkdtemp(dir=root), servers)
+            mean = sum(r["time/step"] for r in steps) / len(steps)
+            per_min = 60.0 / mean
+            base = base or per_min
+            update = sum(r.get("time/update", 0.0) for r in steps) / len(steps)
+            wait = sum(r["time/rollout"] for r in steps) / len(steps)
+            gen = sum(r.get("rollout/generate_seconds", r["time/rollout"]) for r in steps) / len(steps)
+            rows.append(["0.2-1 s x 3 turns" if latency else "none", k, per_min, per_min / base,
+                         gen, wait, update])
 
 
 def parse_args(argv=None):
@@ -96,6 +112,7 @@ def parse_args(argv=None):
     p.add_argument("--max-new-tokens", type=int, default=16)
     p.add_argument("--update-epochs", type=int, default=8)
     p.add_argument("--timeout", type=float, default=1800)
+    p.add_argument("--servers", type=int, default=0, help="RL2 engine servers (0: colocated engine)")
     args = p.parse_args(argv)
     if args.steps is None:
         args.steps = 5 if args.quick else 8

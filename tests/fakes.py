@@ -1,7 +1,15 @@
 """Test doubles shared by the rollout tests and benchmarks (no model involved)."""
 import asyncio
+from types import SimpleNamespace
 
 from RL2.rollout.engine import Engine, GenerationOutput
+
+
+def traj(score, source):
+    """A finished one-turn trajectory with reward = score from data source `source`: what
+    `Rollout.metrics` reads."""
+    return SimpleNamespace(reward=score, score=score, num_action_tokens=3, truncated=False, turns=[],
+                           num_turns=1, failed=False, extra_info={"data_source": source})
 
 
 class ScriptedEngine(Engine):

@@ -5,10 +5,14 @@ import math
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from tests.dist_utils import free_port
+
+# The shipped arithmetic env the PPO runs train against.
+ANSWER_MATCH = str(Path(__file__).resolve().parents[1] / "envs" / "answer_match.py")
 
 
 def run_trainer(trainer: str, nproc: int, overrides: list[str], run_dir, timeout: float = 600,
@@ -97,6 +101,48 @@ def sft_args(assets, *extra):
     return [f"actor.model_name={assets['model']}", f"data.train.path={assets['data']}/sft_train.jsonl",
             f"data.test.path={assets['data']}/sft_test.jsonl", "data.train.batch_size=16",
             "actor.lr=1e-3", "trainer.total_steps=3", *extra]
+
+
+SFT_COEF = 0.1  # dpo_args' actor.sft_coef
+
+
+def dpo_args(assets, *extra):
+    return [f"actor.model_name={assets['model']}", f"data.train.path={assets['data']}/pref_train.jsonl",
+            f"data.test.path={assets['data']}/pref_test.jsonl", "data.train.batch_size=16",
+            "data.test.batch_size=8", "actor.lr=1e-3", "actor.beta=0.5", f"actor.sft_coef={SFT_COEF}",
+            "trainer.total_steps=3", *extra]
+
+
+PPO_REQUIRED = ["actor.model_name=m", "data.train.path=d", "actor.rollout.env_path=e"]
+
+
+def cfg_with(*overrides):
+    """The PPO config with placeholder required keys and `overrides` (config checks, no run)."""
+    from RL2.utils.config import load_config
+
+    return load_config("ppo", PPO_REQUIRED + list(overrides))
+
+
+def hf_test_loss(model_dir, data_dir) -> float:
+    """Token-mean NLL of the SFT test split under plain HF (no packing, eager attention): the
+    reference an exported model's logged test loss must reproduce."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from RL2.data.formats import tokenize_sft
+    from RL2.data.io import load_rows
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager")
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    total, n = 0.0, 0
+    for i, row in enumerate(load_rows(f"{data_dir}/sft_test.jsonl")):
+        s = tokenize_sft(row, tok, max_length=1024, row_index=i, source="test")
+        with torch.no_grad():
+            logits = model(input_ids=s["input_ids"][None]).logits[0]
+        logps = logits.log_softmax(-1).gather(-1, s["labels"][:, None])[:, 0]
+        total -= (logps * s["action_mask"]).sum().item()
+        n += s["action_mask"].sum().item()
+    return total / n
 
 
 def serial_runs(trainer, make_args, assets, tmp_path_factory):

@@ -5,17 +5,8 @@ import math
 import pytest
 import torch
 
-from tests.run_utils import (assert_close, bad_rows_file, layout, parallel_cases, read_metrics,
-                             run_trainer, serial_runs, train_rows)
-
-SFT_COEF = 0.1
-
-
-def dpo_args(assets, *extra):
-    return [f"actor.model_name={assets['model']}", f"data.train.path={assets['data']}/pref_train.jsonl",
-            f"data.test.path={assets['data']}/pref_test.jsonl", "data.train.batch_size=16",
-            "data.test.batch_size=8", "actor.lr=1e-3", "actor.beta=0.5", f"actor.sft_coef={SFT_COEF}",
-            "trainer.total_steps=3", *extra]
+from tests.run_utils import (SFT_COEF, assert_close, bad_rows_file, dpo_args, layout, parallel_cases,
+                             read_metrics, run_trainer, serial_runs, train_rows)
 
 
 @pytest.fixture(scope="module")

@@ -8,9 +8,8 @@ import pytest
 import torch
 
 from tests.dist_utils import run_dist
-from tests.run_utils import (assert_close, layout, read_metrics, run_trainer, sft_args, train_rows,
-                             write_rows)
-from tests.test_dpo import dpo_args
+from tests.run_utils import (assert_close, dpo_args, hf_test_loss, layout, read_metrics, run_trainer,
+                             sft_args, train_rows)
 
 LORA = ["actor.lora.rank=4", "actor.lora.alpha=8"]
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -156,8 +155,6 @@ def test_resume_is_exact_and_the_adapter_reloads_with_peft(assets, tmp_path):
 
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
-
-    from tests.test_sft import hf_test_loss
 
     final = tmp_path / "straight" / "run" / "final"
     merged = AutoModelForCausalLM.from_pretrained(final, dtype=torch.float64).eval()

@@ -1,11 +1,11 @@
 """pass@k: the unbiased estimator by hand, and the rollout metrics that use it per data source."""
 from math import comb
-from types import SimpleNamespace
 
 import pytest
 
 from RL2.algorithms.metrics import pass_at_k
 from RL2.rollout.rollout import Rollout
+from tests.fakes import traj
 
 
 def test_pass_at_k_by_hand():
@@ -33,11 +33,6 @@ def test_pass_at_k_is_the_draw_probability():
 def test_pass_at_k_rejects_impossible_counts(bad):
     with pytest.raises(ValueError, match="pass@k"):
         pass_at_k(*bad)
-
-
-def traj(score, source):
-    return SimpleNamespace(reward=score, score=score, num_action_tokens=3, truncated=False, turns=[],
-                           num_turns=1, failed=False, extra_info={"data_source": source})
 
 
 def test_rollout_metrics_report_pass_at_k_per_source():

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from RL2.data.mixture import MixtureSampler, parse_sources, step_counts
-from tests.run_utils import read_metrics, run_trainer
+from tests.run_utils import ANSWER_MATCH, read_metrics, run_trainer
 
 
 def test_parse_sources():
@@ -54,8 +54,6 @@ def test_sampler_is_deterministic_and_covers_each_source_per_pass():
 
 @pytest.mark.slow
 def test_ppo_batches_and_metrics_follow_the_sources(assets, tmp_path):
-    from tests.test_ppo_e2e import ANSWER_MATCH
-
     rows = [json.loads(line) for line in open(f"{assets['data']}/ppo_train.jsonl")]
     for name, part in (("easy", rows[:40]), ("hard", rows[40:100])):
         with open(tmp_path / f"{name}.jsonl", "w") as f:

@@ -10,14 +10,8 @@ from RL2.rollout import rollout as rollout_mod
 from RL2.rollout.rollout import Rollout, shape_overlong
 from RL2.rollout.trajectory import Trajectory
 from RL2.trainer.ppo import check_config
-from RL2.utils.config import load_config
 from RL2.algorithms.ppo import compute_advantages, mini_batches
-
-REQUIRED = ["actor.model_name=m", "data.train.path=d", "actor.rollout.env_path=e"]
-
-
-def cfg_with(*overrides):
-    return load_config("ppo", REQUIRED + list(overrides))
+from tests.run_utils import cfg_with
 
 
 def t(*xs):

@@ -7,10 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.run_utils import biased_warm_start, read_metrics, run_trainer, train_rows
+from tests.run_utils import ANSWER_MATCH, biased_warm_start, read_metrics, run_trainer, train_rows
 
 pytestmark = pytest.mark.slow
-ANSWER_MATCH = str(Path(__file__).resolve().parents[1] / "envs" / "answer_match.py")
 
 # The two-question chat: the second question is appended as a new user turn, so the state always
 # extends state + action and the rollout keeps ONE sequence whose question tokens are masked out.

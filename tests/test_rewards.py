@@ -8,7 +8,7 @@ import pytest
 from RL2.rollout import rewards
 from RL2.rollout.env import load_env
 from RL2.rollout.rollout import Rollout
-from tests.test_metrics import traj
+from tests.fakes import traj
 
 ENV = str(Path(__file__).resolve().parents[1] / "envs" / "composed_reward.py")
 

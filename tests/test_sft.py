@@ -3,9 +3,9 @@ import math
 import os
 
 import pytest
-import torch
 
-from tests.run_utils import assert_close, layout, read_metrics, run_trainer, sft_args, train_rows
+from tests.run_utils import (assert_close, hf_test_loss, layout, read_metrics, run_trainer, sft_args,
+                             train_rows)
 
 
 BUDGETS = {"fsdp2": 64, "ddp2xfsdp2": 96}
@@ -19,26 +19,6 @@ def test_parallel_equals_serial(assets, serial, tmp_path, name, dtype, rtol):
     for key in ("train/loss", "train/grad_norm", "train/tokens"):
         assert_close(train_rows(tmp_path, key), train_rows(serial[dtype], key), rtol, key)
     assert_close(train_rows(tmp_path, "test/loss"), train_rows(serial[dtype], "test/loss"), rtol, "test/loss")
-
-
-def hf_test_loss(model_dir, data_dir) -> float:
-    """Token-mean NLL of the SFT test split under plain HF (no packing, eager attention)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from RL2.data.formats import tokenize_sft
-    from RL2.data.io import load_rows
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager")
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    total, n = 0.0, 0
-    for i, row in enumerate(load_rows(f"{data_dir}/sft_test.jsonl")):
-        s = tokenize_sft(row, tok, max_length=1024, row_index=i, source="test")
-        with torch.no_grad():
-            logits = model(input_ids=s["input_ids"][None]).logits[0]
-        logps = logits.log_softmax(-1).gather(-1, s["labels"][:, None])[:, 0]
-        total -= (logps * s["action_mask"]).sum().item()
-        n += s["action_mask"].sum().item()
-    return total / n
 
 
 def test_loss_decreases_and_hf_export_reproduces_test_loss(assets, serial):

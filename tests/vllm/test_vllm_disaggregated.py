@@ -5,17 +5,16 @@ the trainer's at every step (strict on-policy check + engine_kl), the server mus
 trainer's step as its weight version (the reward rise is NOT asserted: see the test)."""
 import json
 import time
-from pathlib import Path
 from urllib.request import urlopen
 
 import pytest
 
 from RL2.rollout.engine import make_engine
-from tests.run_utils import biased_warm_start, read_metrics, run_trainer
-from tests.vllm.test_vllm_server import kill, start_server
+from tests.run_utils import ANSWER_MATCH, biased_warm_start, read_metrics, run_trainer
+from tests.server_utils import kill
+from tests.vllm.vllm_utils import start_vllm_server
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
-ANSWER_MATCH = str(Path(__file__).resolve().parents[2] / "envs" / "answer_match.py")
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +26,7 @@ def warm_start(assets, tmp_path_factory):
 
 
 def test_disaggregated_grpo_against_vllm_serve(warm_start, assets, tmp_path):
-    proc, url = start_server(warm_start["model"], tmp_path / "server.log")
+    proc, url = start_vllm_server(warm_start["model"], tmp_path / "server.log")
     try:
         deadline = time.monotonic() + 900
         while True:  # vLLM's start-up: minutes on CPU

@@ -10,9 +10,9 @@ from transformers import AutoModelForCausalLM
 
 from RL2.rollout.engine import SamplingParams, make_engine
 from RL2.rollout.torch_engine import TorchEngine
+from tests.vllm.vllm_utils import hf_logps, prompt_ids
 
 pytestmark = pytest.mark.vllm
-PROMPTS = ["12 + 30 =", "hello world", "the answer is", "7 * 6 = 42 and 5 + 5 ="]
 MAX_LEN = 128
 
 
@@ -27,16 +27,6 @@ def run(engine, *coros):
     async def go():
         return await asyncio.gather(*coros)
     return engine.loop.run_until_complete(go())
-
-
-def prompt_ids(tok):
-    return [tok(p)["input_ids"] for p in PROMPTS]
-
-
-def hf_logps(model, prompt, tokens, temperature):
-    with torch.no_grad():
-        logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1].double()
-    return torch.log_softmax(logits / temperature, -1).gather(-1, torch.tensor(tokens)[:, None])[:, 0]
 
 
 def test_greedy_matches_hf_generate_and_the_torch_engine(engine, vllm_model, assets):

@@ -16,14 +16,12 @@ With engine_kl ~1e-7 the two engines sample from the same distribution: the spre
 recipe's run-to-run variance on these shapes, not the engine.
 """
 import math
-from pathlib import Path
 
 import pytest
 
-from tests.run_utils import biased_warm_start, read_metrics, run_trainer
+from tests.run_utils import ANSWER_MATCH, biased_warm_start, read_metrics, run_trainer
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
-ANSWER_MATCH = str(Path(__file__).resolve().parents[2] / "envs" / "answer_match.py")
 STEPS, SAVED = 8, 6  # no reward rise is asserted, so a short run does
 
 

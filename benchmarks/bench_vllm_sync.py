@@ -5,7 +5,7 @@ one sync are measured. Run in vLLM's venv (bash scripts/setup_vllm_env.sh):
     .venv-vllm/bin/python -m benchmarks.bench_vllm_sync --model assets/smollm2-135m --data DATA.jsonl
 
 DATA.jsonl: SFT rows with `prompt`/`response` (make_assets' sft_train.jsonl). Layouts run in one
-job per world size (1: single; 2: fsdp2, tp2; 4: ddp2xfsdp2, ddp2xtp2), each job sharing one vLLM
+job per world size (1: serial; 2: fsdp2, tp2; 4: ddp2xfsdp2, ddp2xtp2), each job sharing one vLLM
 engine held by rank 0 (as a rollout group leader holds it in PPO); the other ranks pass no engine.
 tests/vllm/test_vllm_layouts.py runs `sync_and_compare` on a tiny model.
 """
@@ -17,14 +17,10 @@ import statistics
 import torch
 import torch.distributed as dist
 
-# name -> (world size, actor overrides), as tests/run_utils.py's LAYOUTS
-LAYOUTS = {
-    "single": (1, []),
-    "fsdp2": (2, []),
-    "tp2": (2, ["actor.tp_size=2"]),
-    "ddp2xfsdp2": (4, ["actor.ddp_size=2"]),
-    "ddp2xtp2": (4, ["actor.ddp_size=2", "actor.tp_size=2"]),
-}
+from tests.run_utils import layout
+
+# the layouts of tests/run_utils.py's table this benchmark runs by default
+DEFAULT_LAYOUTS = ["serial", "fsdp2", "tp2", "ddp2xfsdp2", "ddp2xtp2"]
 TEMPERATURE = 0.7
 
 
@@ -81,7 +77,7 @@ def sync_and_compare(rank, world, model_dir, data_path, layouts, lr=1e-2, repeat
     results, previous = {}, None
     for i, name in enumerate(layouts):
         cfg = load_config("sft", [f"actor.model_name={model_dir}", f"data.train.path={data_path}",
-                                  f"actor.lr={lr}", *LAYOUTS[name][1]])
+                                  f"actor.lr={lr}", *layout(name)[1]])
         actor = Actor(cfg.actor, "cpu", total_steps=1)
         part = range(8 * i, 8 * i + 8)
         sft_update(actor, [tokenize_sft(rows[j], tok, max_length=256, row_index=j, source="x") for j in part])
@@ -111,14 +107,14 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", required=True)
     p.add_argument("--data", required=True)
-    p.add_argument("--layouts", default=",".join(LAYOUTS))
+    p.add_argument("--layouts", default=",".join(DEFAULT_LAYOUTS))
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--lr", type=float, default=1e-5)
     args = p.parse_args()
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     by_world = {}
     for name in args.layouts.split(","):
-        by_world.setdefault(LAYOUTS[name][0], []).append(name)
+        by_world.setdefault(layout(name)[0], []).append(name)
     print(f"model {args.model}; sync seconds: first (with the transfer group's set-up) and the "
           f"median of {args.repeats - 1} more; max |engine - trainer| log-prob at T={TEMPERATURE}")
     print(f"{'layout':<12}{'ranks':>6}{'first s':>9}{'median s':>10}{'max err':>10}{'tokens':>8}")

@@ -13,6 +13,8 @@ import os
 
 import torch
 
+from RL2.utils.seeding import derive_seed
+
 
 def parse_sources(path_cfg) -> list[dict] | None:
     """[{path, weight, name}] for a list config; None for a single path (no mixture). Bad
@@ -86,7 +88,7 @@ class MixtureSampler:
         n = self.sizes[source]
         key = (source, position // n)
         if key not in self._perms:
-            g = torch.Generator().manual_seed(self.seed * 100003 + source * 7919 + position // n)
+            g = torch.Generator().manual_seed(derive_seed(self.seed, "mixture", source, position // n))
             self._perms = {k: v for k, v in self._perms.items() if k[0] != source}  # keep one pass per source
             self._perms[key] = torch.randperm(n, generator=g).tolist()
         return self.offsets[source] + self._perms[key][position % n]

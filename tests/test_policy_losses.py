@@ -1,23 +1,31 @@
 """GSPO and CISPO against their papers' formulas and hand-computed values; K-epoch mini-batches;
 the strict on-policy checks."""
 import math
+from itertools import accumulate
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from RL2.algorithms.losses import cispo_loss, gspo_loss, policy_loss, sequence_mean_per_token, token_weights
+from RL2.algorithms.losses import cispo_loss, gspo_loss, policy_loss, token_weights
 from RL2.algorithms.on_policy import OnPolicyError, check_engine_logps, max_logp_gap
-from RL2.algorithms.ppo import epoch_batches, mini_batches
+from RL2.algorithms.ppo import epoch_batches, mini_batches, sequence_log_ratio
 
 
 def T(x):
     return torch.tensor(x, dtype=torch.float64)
 
 
-def test_sequence_mean_per_token_by_hand():
+def seq_log_ratio(logps, old, mask, lengths):
+    """actor_update's GSPO log-ratio on one process: sequences of `lengths` packed end to end."""
+    mb = SimpleNamespace(data={"action_mask": mask}, cu_seqlens=torch.tensor([0, *accumulate(lengths)]))
+    return sequence_log_ratio(mb, logps, old, None)
+
+
+def test_sequence_log_ratio_by_hand():
     x, mask = T([1.0, 2.0, 9.0, 4.0, 6.0, 5.0]), T([1, 1, 0, 1, 1, 0])
     # sequences [1, 2, 9] (mean of masked 1, 2 = 1.5), [4, 6] (5), [5] (no masked token -> 0)
-    got = sequence_mean_per_token(x, mask, [3, 2, 1])
+    got = seq_log_ratio(x, torch.zeros_like(x), mask, [3, 2, 1])
     assert got.tolist() == [1.5, 1.5, 1.5, 5.0, 5.0, 0.0]
 
 
@@ -43,7 +51,7 @@ def rl2_gspo(logps_list, old_list, advs, clip, clip_high):
     logps, old = torch.cat(logps_list), torch.cat(old_list)
     mask = torch.cat([T(m) for m in MASKS])
     adv = torch.cat([torch.full((n,), a, dtype=torch.float64) for n, a in zip(lengths, advs)])
-    seq = sequence_mean_per_token(logps.detach() - old, mask, lengths)
+    seq = seq_log_ratio(logps, old, mask, lengths)
     loss, stats = gspo_loss(logps, seq, adv, clip, clip_high)
     # avg_level=sequence weights (token_weights' values, exact in float64): 1 / (G * |y_i|)
     w = torch.cat([torch.full((n,), 1.0 / (len(lengths) * n), dtype=torch.float64) for n in lengths])
@@ -88,7 +96,7 @@ def test_gspo_token_ratio_differs_from_ppo_token_ratio():
     # judges the sequence (exp(0.2) inside the range) and keeps both.
     lp, old = T([0.1, 0.3]).requires_grad_(), T([0.0, 0.0])
     _, ppo = policy_loss(lp, old, T([1.0, 1.0]), 0.2, 0.28)
-    _, gspo = gspo_loss(lp, sequence_mean_per_token(lp.detach() - old, T([1, 1]), [2]), T([1.0, 1.0]), 0.2, 0.28)
+    _, gspo = gspo_loss(lp, seq_log_ratio(lp, old, T([1, 1]), [2]), T([1.0, 1.0]), 0.2, 0.28)
     assert ppo["clipped"].tolist() == [0, 1] and gspo["clipped"].tolist() == [0, 0]
 
 

@@ -132,15 +132,6 @@ def cispo_loss(
                   "dual_clipped": torch.zeros_like(ratio)}
 
 
-def sequence_mean_per_token(x: Tensor, mask: Tensor, lengths: list[int]) -> Tensor:
-    """For each token, the mask-weighted mean of x over its sequence (sequences laid end to end
-    with `lengths`); 0 for a sequence with no masked token. The GSPO log-ratio on one process."""
-    seg = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
-    num = torch.zeros(len(lengths), dtype=torch.float64).index_add(0, seg, (x * mask).double())
-    den = torch.zeros(len(lengths), dtype=torch.float64).index_add(0, seg, mask.double())
-    return (num / den.clamp_min(1.0))[seg].to(x.dtype)
-
-
 def tis_weight(old_logps: Tensor, engine_logps: Tensor, tis_coef: float) -> Tensor:
     """Truncated importance-sampling weight min(pi_old / pi_engine, tis_coef), detached.
 

@@ -191,7 +191,7 @@ class TorchEngine(Engine):
             self.model.to("cpu")
         self._released |= tags
         if self.device.type == "cuda":
-            # A full collection costs ~0.3-1 s per rollout over a trainer's objects; only worth it
+            # A full collection walks all of a trainer's objects, every rollout; only worth it
             # when the caching allocator can hand the memory back. On CPU, reference counting
             # already freed the KV tensors.
             gc.collect()

@@ -82,8 +82,8 @@ def load_sharded(path: str, value_head: bool, dtype: torch.dtype, trust_remote_c
 def broadcast_from_rank0(model, full: dict) -> None:
     """Fill every parameter and buffer of a sharded `model` from rank 0's full tensors, one
     tensor at a time: a rank holds its shards plus one full tensor at most. (`set_model_state_dict(
-    broadcast_from_rank0=True)` in torch 2.13 keeps each broadcast full tensor alive until the end,
-    as its shard is a view of it: a whole model per rank at the peak.)"""
+    broadcast_from_rank0=True)` keeps each broadcast full tensor alive until the end, as its shard
+    is a view of it: a whole model per rank at the peak.)"""
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 

@@ -35,6 +35,8 @@ def convert(out_dir: str) -> str:
         raise ModuleNotFoundError(f"transformers needs the `gguf` package to read GGUF: {INSTALL}")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from RL2.utils.checkpoint import check_tokenizer_reload
+
     path = gguf_path()
     folder, name = os.path.split(path)
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
@@ -49,6 +51,8 @@ def convert(out_dir: str) -> str:
     os.makedirs(out_dir, exist_ok=True)
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
+    # The GGUF-built tokenizer is reloaded from out_dir by every trainer: same check as RL2's writers.
+    check_tokenizer_reload(tokenizer, out_dir)
     return out_dir
 
 

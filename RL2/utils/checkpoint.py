@@ -56,9 +56,11 @@ def export_worker(worker, out_dir: str, tokenizer=None):
 
     state = full_state_dict(worker.model)
     if dist.get_rank() == 0:
-        lora.save_adapter(worker.peft, state, os.path.join(out_dir, "adapter"))
+        adapter_dir = os.path.join(out_dir, "adapter")
+        lora.save_adapter(worker.peft, state, adapter_dir)
         if tokenizer is not None:
-            tokenizer.save_pretrained(os.path.join(out_dir, "adapter"))
+            tokenizer.save_pretrained(adapter_dir)
+            check_tokenizer_reload(tokenizer, adapter_dir)  # users load it from here with the adapter
     if worker.cfg.lora.save_merged:
         merged = dict(lora.merged_items(state.items(), lora.scalings(worker.model))) if state else {}
         save_hf(worker.model, out_dir, tokenizer, state=merged)

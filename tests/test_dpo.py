@@ -62,6 +62,29 @@ def test_margin_increases(serial):
     assert test["test/loss"] < math.log(2)
 
 
+def test_token_metrics_count_both_sides_of_every_pair(assets, serial):
+    """README's meaning, counted here with the tokenizer on the rendered chats: train/tokens = the
+    input tokens of both sides of the step's 16 pairs; train/loss_tokens = their response tokens
+    (+ <|im_end|>), the tokens whose log-probs enter the loss."""
+    from RL2.data.io import load_rows
+    from RL2.data.loader import StepSampler
+
+    tok, rows = assets["tokenizer"], load_rows(f"{assets['data']}/pref_train.jsonl")
+    logged = [r for r in read_metrics(serial("float32")) if "train/tokens" in r]
+    assert len(logged) == 3
+    for step, r in enumerate(logged):
+        tokens = loss_tokens = 0
+        for i in StepSampler(len(rows), 16, seed=0).batch(step):
+            for side in ("chosen", "rejected"):
+                chat = [{"role": "user", "content": rows[i]["prompt"]},
+                        {"role": "assistant", "content": rows[i][side]}]
+                text = tok.apply_chat_template(chat, tokenize=False)
+                tokens += len(tok.encode(text, add_special_tokens=False)) - 1  # inputs: all but the last
+                loss_tokens += len(tok.encode(rows[i][side], add_special_tokens=False)) + 1  # + eos
+        assert (r["train/tokens"], r["train/loss_tokens"]) == (tokens, loss_tokens), step
+        assert math.isclose(r["train/tokens_per_s"], tokens / r["train/step_time"], rel_tol=1e-12)
+
+
 # Pairs are <= 69 tokens (72 padded for sp=2), so every layout packs several micro-batches.
 BUDGETS = {"fsdp2": 80, "ddp2xfsdp2": 160, "sp2": 48, "dp2xsp2": 64, "tp2": 40,
            # The 4-rank grid of the parallelism issue.

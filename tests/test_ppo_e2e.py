@@ -160,6 +160,18 @@ def test_rows_without_prompts_start_from_the_env_reset(assets, tmp_path):
     assert len(trajs) == 16 and not any(t["failed"] for t in trajs)
     assert {t["prompt"] for t in trajs} == {f"<|im_start|>user\nWhat is {a} plus 1?<|im_end|>\n<|im_start|>assistant\n"
                                            for a in range(4)}
+    # README's token metrics: train/tokens = every input token of the step's sequences (prompt,
+    # counted with the tokenizer, + action, all but the last), train/loss_tokens = the action
+    # tokens: the generated ones, max_new_tokens=4 exactly when generation was cut by length.
+    (r,) = [r for r in read_metrics(tmp_path / "out") if "train/tokens" in r]
+    actions = [t["num_action_tokens"] for t in trajs]
+    for t, n in zip(trajs, actions):
+        assert n == 4 if t["turns"][0]["finish_reason"] == "length" else 1 <= n <= 4, (t["turns"], n)
+    assert r["train/loss_tokens"] == sum(actions) == r["rollout/train_tokens"]
+    tok = assets["tokenizer"]
+    assert r["train/tokens"] == sum(len(tok.encode(t["prompt"], add_special_tokens=False)) + n - 1
+                                    for t, n in zip(trajs, actions))
+    assert math.isclose(r["train/tokens_per_s"], r["train/tokens"] / r["time/step"], rel_tol=1e-12)
 
 
 # ----- algorithm presets (README table): each must raise the reward -----

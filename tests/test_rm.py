@@ -97,6 +97,27 @@ def test_accuracy_above_chance_and_hf_export_reproduces_rewards(assets, serial):
     assert test["test/accuracy"] == (m > 0).double().mean().item()
 
 
+def test_token_metrics_count_both_sides_and_one_scored_token_each(assets, serial):
+    """README's meaning, counted here with the tokenizer on the rendered chats: train/tokens = all
+    tokens of both sides of the step's 16 pairs (a reward model reads every token, no shift);
+    train/loss_tokens = the one scored (last) token of each of the 32 sequences."""
+    from RL2.data.io import load_rows
+    from RL2.data.loader import StepSampler
+
+    tok, rows = assets["tokenizer"], load_rows(f"{assets['data']}/pref_train.jsonl")
+    logged = [r for r in read_metrics(serial("float32")) if "train/tokens" in r]
+    assert len(logged) == 3
+    for step, r in enumerate(logged):
+        tokens = 0
+        for i in StepSampler(len(rows), 16, seed=0).batch(step):
+            for side in ("chosen", "rejected"):
+                chat = [{"role": "user", "content": rows[i]["prompt"]},
+                        {"role": "assistant", "content": rows[i][side]}]
+                tokens += len(tok.encode(tok.apply_chat_template(chat, tokenize=False), add_special_tokens=False))
+        assert (r["train/tokens"], r["train/loss_tokens"]) == (tokens, 2 * 16), step
+        assert math.isclose(r["train/tokens_per_s"], tokens / r["train/step_time"], rel_tol=1e-12)
+
+
 # ----------------------------------------------------------------- bad input
 
 def test_bad_row_stops_with_the_row_named(assets, tmp_path):

@@ -35,6 +35,28 @@ def test_loss_decreases_and_hf_export_reproduces_test_loss(assets, serial):
     assert tests[-1][1] < tests[0][1]
 
 
+def test_token_metrics_count_processed_and_trained_tokens(assets, serial):
+    """README's meaning, counted here with the tokenizer on the rendered chat (not RL2's span
+    tokenisation): train/tokens = the input tokens of the step's 16 rows, template included;
+    train/loss_tokens = the trained ones, response + <|im_end|>; tokens/s from train/tokens."""
+    from RL2.data.io import load_rows
+    from RL2.data.loader import StepSampler
+
+    tok, rows = assets["tokenizer"], load_rows(f"{assets['data']}/sft_train.jsonl")
+    logged = [r for r in read_metrics(serial["float32"]) if "train/tokens" in r]
+    assert len(logged) == 3
+    for step, r in enumerate(logged):
+        tokens = loss_tokens = 0
+        for i in StepSampler(len(rows), 16, seed=0).batch(step):
+            chat = [{"role": "user", "content": rows[i]["prompt"]},
+                    {"role": "assistant", "content": rows[i]["response"]}]
+            text = tok.apply_chat_template(chat, tokenize=False)
+            tokens += len(tok.encode(text, add_special_tokens=False)) - 1  # inputs: all but the last
+            loss_tokens += len(tok.encode(rows[i]["response"], add_special_tokens=False)) + 1  # + eos
+        assert (r["train/tokens"], r["train/loss_tokens"]) == (tokens, loss_tokens), step
+        assert math.isclose(r["train/tokens_per_s"], tokens / r["train/step_time"], rel_tol=1e-12)
+
+
 def test_evaluating_at_start_does_not_change_training(assets, serial, tmp_path):
     run_trainer("sft", 1, sft_args(assets, "actor.dtype=float64", "actor.max_length_per_device=4096",
                                    "trainer.test_at_start=false"), tmp_path)

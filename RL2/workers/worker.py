@@ -14,7 +14,7 @@ from RL2.parallel.fsdp import parallelize
 from RL2.parallel.mesh import ParallelDims
 from RL2.utils.config import resolve_dtype
 from RL2.workers import lora
-from RL2.workers.loading import disable_dropout, load_hf_model, load_sharded  # noqa: F401 (re-exported)
+from RL2.workers.loading import load_sharded
 
 logger = logging.getLogger(__name__)
 

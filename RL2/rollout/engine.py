@@ -5,6 +5,7 @@ Backends: `torch` (embedded PyTorch engine, any device, in `torch_engine.py`), `
 `vllm_engine.py`). All are imported lazily so that this module never pulls in a backend the
 caller does not use.
 """
+import asyncio
 import importlib.util
 import logging
 from abc import ABC, abstractmethod
@@ -105,6 +106,32 @@ class Engine(ABC):
     @abstractmethod
     def shutdown(self) -> None:
         """Abort pending requests and free everything."""
+
+
+def check_prompt(prompt_ids, max_model_len: int, vocab_size: int | None = None) -> list[int]:
+    """The prompt as a list of ints, or a ValueError saying why no engine can continue it."""
+    prompt = [int(t) for t in prompt_ids]
+    if not prompt:
+        raise ValueError("empty prompt: generation needs at least one prompt token")
+    if len(prompt) >= max_model_len:
+        raise ValueError(f"prompt has {len(prompt)} tokens; max_model_len={max_model_len} "
+                         "leaves no room for a generated token")
+    if vocab_size is not None and (min(prompt) < 0 or max(prompt) >= vocab_size):
+        raise ValueError(f"prompt token ids must be in [0, {vocab_size})")
+    return prompt
+
+
+def close_loop(loop: asyncio.AbstractEventLoop) -> None:
+    """Cancel the loop's remaining tasks (an engine's scheduler or output handler), let them
+    finish, then close it. A loop that is running or closed is left alone."""
+    if loop.is_closed() or loop.is_running():
+        return
+    pending = asyncio.all_tasks(loop)
+    for task in pending:
+        task.cancel()
+    if pending:  # (an empty gather would belong to the thread's current loop)
+        loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+    loop.close()
 
 
 KINDS = ("auto", "torch", "sglang", "vllm")

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from RL2.algorithms.metrics import pass_at_k
-from RL2.rollout.engine import SamplingParams, make_engine, resolve_engine_kind
+from RL2.rollout.engine import SamplingParams, close_loop, make_engine, resolve_engine_kind
 from RL2.utils.seeding import derive_seed
 from RL2.rollout.trajectory import Requeue, run_trajectory
 from RL2.rollout.weight_sync import WeightSync
@@ -313,15 +313,7 @@ class Rollout:
         self.env.shutdown()
         if self.engine is not None:
             self.engine.shutdown()
-        if self.loop.is_closed() or self.loop.is_running():  # an engine that owns its loop
-            return
-        # Let cancelled tasks (the engine's scheduler) finish before the loop closes.
-        pending = asyncio.all_tasks(self.loop)
-        for task in pending:
-            task.cancel()
-        if pending:
-            self.loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
-        self.loop.close()
+        close_loop(self.loop)  # (an engine that owns its loop has closed it already)
 
 
 def shape_overlong(traj, max_new_tokens: int, buffer: int, penalty: float) -> float:

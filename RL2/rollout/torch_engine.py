@@ -36,7 +36,7 @@ from typing import Iterable
 
 import torch
 
-from RL2.rollout.engine import Engine, GenerationOutput, SamplingParams
+from RL2.rollout.engine import Engine, GenerationOutput, SamplingParams, check_prompt
 from RL2.rollout.model_runner import make_runner
 from RL2.rollout.prefix_cache import PrefixCache
 from RL2.rollout.sampling import Request, Seq, sample
@@ -102,14 +102,7 @@ class TorchEngine(Engine):
             raise RuntimeError(f"TorchEngine memory {sorted(self._released)} is released; "
                                "call resume_memory() first")
         params.validate()
-        prompt = [int(t) for t in prompt_ids]
-        if not prompt:
-            raise ValueError("empty prompt: generation needs at least one prompt token")
-        if len(prompt) >= self.max_model_len:
-            raise ValueError(f"prompt has {len(prompt)} tokens; max_model_len={self.max_model_len} "
-                             "leaves no room for a generated token")
-        if min(prompt) < 0 or max(prompt) >= self.vocab_size:
-            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
+        prompt = check_prompt(prompt_ids, self.max_model_len, self.vocab_size)
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this engine has none")
         loop = asyncio.get_running_loop()

@@ -30,7 +30,7 @@ from typing import Iterable
 
 import torch
 
-from RL2.rollout.engine import Engine, GenerationOutput, SamplingParams
+from RL2.rollout.engine import Engine, GenerationOutput, SamplingParams, check_prompt, close_loop
 from RL2.rollout.vllm_transfer import BACKEND, GlooSender, NcclSender, make_buckets
 from RL2.utils.seeding import derive_seed
 
@@ -60,10 +60,7 @@ class _VLLMBase(Engine):
         self.loop = asyncio.new_event_loop()  # rollouts and control calls run on this loop
 
     def _sampling(self, prompt_len: int, params: SamplingParams, seed: int | None) -> dict:
-        room = self.max_model_len - prompt_len
-        if room < 1:
-            raise ValueError(f"prompt has {prompt_len} tokens; max_model_len={self.max_model_len} "
-                             "leaves no room for a generated token")
+        room = self.max_model_len - prompt_len  # >= 1: generate() checked the prompt
         greedy = params.temperature < 1e-6
         return dict(temperature=0.0 if greedy else params.temperature, top_p=params.top_p,
                     top_k=params.top_k if params.top_k > 0 else 0,
@@ -77,9 +74,7 @@ class _VLLMBase(Engine):
         if self._released:
             raise RuntimeError("vLLM engine memory is released; call resume_memory() first")
         params.validate()
-        prompt = [int(t) for t in prompt_ids]
-        if not prompt:
-            raise ValueError("empty prompt: generation needs at least one prompt token")
+        prompt = check_prompt(prompt_ids, self.max_model_len)
         seeds = [None if params.seed is None else derive_seed(params.seed, i) for i in range(params.n)]
         return list(await asyncio.gather(*[
             self._generate_one(prompt, self._sampling(len(prompt), params, s)) for s in seeds]))
@@ -102,14 +97,7 @@ class _VLLMBase(Engine):
 
     def _close_loop(self) -> None:
         """Let the loop's tasks (vLLM's output handler) end before it closes."""
-        if self.loop.is_closed() or self.loop.is_running():
-            return
-        pending = asyncio.all_tasks(self.loop)
-        for task in pending:
-            task.cancel()
-        if pending:  # (an empty gather would belong to the thread's current loop)
-            self.loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
-        self.loop.close()
+        close_loop(self.loop)
 
     async def _update(self, named_tensors) -> None:
         if self._sender is None:

@@ -1,6 +1,8 @@
-"""LoRA (`actor.lora.*`): the worker's adapters == a PEFT reference model; parallel == serial for
+"""LoRA (`actor.lora.*`): the worker's adapters == a PEFT reference model; a bf16 frozen base
+under fp32 adapters trains; merged weights == PEFT's merge_and_unload; parallel == serial for
 SFT and DPO; DPO's reference is the adapter-free actor (step-0 loss log 2); exact resume; PEFT
-export reloads to the trained model; merged weight sync keeps the engine on-policy."""
+export (and its tokenizer) reloads to the trained model; merged weight sync keeps the engine
+on-policy; the PPO critic trains its adapters and value head only (`critic.lora.*`)."""
 import math
 import os
 
@@ -70,6 +72,87 @@ def test_forward_backward_equal_a_peft_reference(assets):
     assert run_dist(_worker_vs_peft, 1, assets["model"], assets["data"]) == [True]
 
 
+def _bf16_base_sft(rank, world, model_dir, data_dir):
+    from omegaconf import OmegaConf
+    from transformers import AutoTokenizer
+
+    import RL2
+    from RL2.algorithms.sft import sft_update
+    from RL2.data.formats import tokenize_sft
+    from RL2.data.io import load_rows
+    from RL2.workers import lora
+    from RL2.workers.actor import Actor
+
+    cfg = OmegaConf.load(os.path.join(os.path.dirname(RL2.__file__), "config/worker/default.yaml"))
+    cfg.model_name, cfg.dtype, cfg.lr = model_dir, "float32", 1e-2
+    cfg.lora.rank, cfg.lora.alpha = 4, 8
+    # auto keeps the master dtype on CPU; the explicit key must still give a bf16 base here
+    assert lora.base_dtype(cfg.lora, "cpu", torch.float32) == torch.float32
+    assert lora.base_dtype(cfg.lora, "cuda", torch.float32) == torch.bfloat16
+    cfg.lora.base_dtype = "bfloat16"
+    assert lora.base_dtype(cfg.lora, "cpu", torch.float32) == torch.bfloat16
+    actor = Actor(cfg, "cpu", total_steps=3, seed=0)
+
+    params = dict(actor.model.named_parameters())
+    trainable = {n for n, p in params.items() if p.requires_grad}
+    frozen = set(params) - trainable
+    assert trainable and all(".lora_A." in n or ".lora_B." in n for n in trainable)
+    assert {params[n].dtype for n in frozen} == {torch.bfloat16}
+    assert {params[n].dtype for n in trainable} == {torch.float32}  # the master dtype
+    in_opt = {id(p) for g in actor.optimizer.param_groups for p in g["params"]}
+    assert in_opt == {id(params[n]) for n in trainable}
+    before = {n: p.detach().full_tensor().clone() for n, p in params.items()}
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    rows = load_rows(f"{data_dir}/sft_train.jsonl")
+    samples = [tokenize_sft(rows[i], tok, max_length=64, row_index=i, source="t") for i in range(16)]
+    losses = [sft_update(actor, samples)["loss"] for _ in range(3)]  # the same batch each step
+    assert all(math.isfinite(v) for v in losses) and losses[-1] < losses[0], losses
+    after = {n: p.detach().full_tensor() for n, p in params.items()}
+    assert all(after[n].dtype == torch.bfloat16 and torch.equal(after[n], before[n]) for n in frozen)
+    assert all(not torch.equal(after[n], before[n]) for n in trainable if ".lora_B." in n)
+    return losses
+
+
+def test_bf16_frozen_base_under_fp32_adapters_trains(assets):
+    """lora.base_dtype=bfloat16 on CPU: the frozen base is stored in bf16 (half the memory), the
+    adapters and their AdamW state stay fp32, and SFT steps on it lower the loss."""
+    (losses,) = run_dist(_bf16_base_sft, 1, assets["model"], assets["data"])
+    assert len(losses) == 3
+
+
+def test_merged_weights_equal_peft_merge_and_unload(assets):
+    """merged_items (engine sync, merged export) == PEFT's merge_and_unload on the same adapters,
+    for a causal LM and a value model (whose trained `score` copy must replace the original)."""
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+
+    from RL2.workers import lora
+
+    gen = torch.Generator().manual_seed(0)
+    for cls, extra in ((AutoModelForCausalLM, {}), (AutoModelForTokenClassification, {"num_labels": 1})):
+        model = cls.from_pretrained(assets["model"], dtype=torch.float32, **extra)
+        head = ["score"] if cls is AutoModelForTokenClassification else None
+        peft = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS,
+                                                modules_to_save=head))
+        with torch.no_grad():  # B = 0 would make the merge a no-op; the head copy must differ
+            for n, p in model.named_parameters():
+                if ".lora_" in n or ".modules_to_save." in n:
+                    p.copy_(0.1 * torch.randn(p.shape, generator=gen))
+        got = dict(lora.merged_items(model.state_dict().items(), lora.scalings(model)))
+        want = copy.deepcopy(peft).merge_and_unload().state_dict()
+        assert set(got) == set(want), set(got) ^ set(want)
+        for n, w in want.items():
+            assert got[n].dtype == w.dtype == torch.float32, n
+            assert torch.allclose(got[n], w, atol=1e-6, rtol=0), n
+        # the adapters changed something, so the comparison is not base == base
+        base = cls.from_pretrained(assets["model"], dtype=torch.float32, **extra).state_dict()
+        assert not torch.allclose(want["model.layers.0.self_attn.q_proj.weight"],
+                                  base["model.layers.0.self_attn.q_proj.weight"])
+
+
 def test_tensor_parallel_is_refused_at_start_up(assets, tmp_path):
     proc = run_trainer("sft", 2, sft_args(assets, *LORA, "actor.tp_size=2"), tmp_path, check=False)
     assert proc.returncode != 0
@@ -77,8 +160,8 @@ def test_tensor_parallel_is_refused_at_start_up(assets, tmp_path):
 
 
 # ----- parallel == serial (the layout grid of tests/run_utils.py, tp excluded) -----
-SFT_BUDGETS = {"fsdp2": 64, "sp2": 40, "ddp2xfsdp2": 96, "dp2xsp2": 40}
-DPO_BUDGETS = {"fsdp2": 80, "sp2": 48, "ddp2xfsdp2": 160, "dp2xsp2": 64}
+SFT_BUDGETS = {"fsdp2": 64, "sp2": 40, "fsdp4": 64, "ddp2xfsdp2": 96, "dp2xsp2": 40}
+DPO_BUDGETS = {"fsdp2": 80, "sp2": 48, "fsdp4": 80, "ddp2xfsdp2": 160, "dp2xsp2": 64}
 
 
 def cases(budgets):
@@ -167,6 +250,20 @@ def test_resume_is_exact_and_the_adapter_reloads_with_peft(assets, tmp_path):
     test_loss = train_rows(tmp_path / "straight", "test/loss")[-1]
     assert math.isclose(hf_test_loss(str(final), assets["data"]), test_loss, rel_tol=1e-5)
 
+    # The tokenizer written beside the adapter (users load it from there) splits text as the
+    # training tokenizer did: the chat-rendered test rows and a probe of digits, spaces, tabs, non-ASCII.
+    from transformers import AutoTokenizer
+
+    from RL2.data.io import load_rows
+
+    saved, tok = AutoTokenizer.from_pretrained(final / "adapter"), assets["tokenizer"]
+    texts = [tok.apply_chat_template([{"role": "user", "content": r["prompt"]},
+                                      {"role": "assistant", "content": r["response"]}], tokenize=False)
+             for r in load_rows(f"{assets['data']}/sft_test.jsonl")]
+    texts.append("Sum 12 + 3,456 =  3468\t\tdone.  Ünïcode ñ 日本語 — ok?\n")
+    for t in texts:
+        assert saved.encode(t) == tok.encode(t), t
+
 
 ANSWER_ENV = '''
 async def step(state, action, extra_info):
@@ -212,6 +309,50 @@ def test_reward_model_trains_adapters_and_head_and_exports_them(assets, tmp_path
     with torch.no_grad():
         want, got = merged(input_ids=ids).logits, peft(input_ids=ids).logits
     assert torch.allclose(got, want, atol=1e-5) and want.abs().max() > 0.1
+
+
+def _critic_lora_updates(rank, world, model_dir):
+    from RL2.algorithms.ppo import critic_update
+    from RL2.trainer.ppo import check_config
+    from RL2.utils.config import load_config
+    from RL2.workers import lora
+    from RL2.workers.critic import Critic
+    from tests.test_ppo_parallel import fixed_batch
+
+    cfg = load_config("ppo", [f"actor.model_name={model_dir}", "data.train.path=unused",
+                              "actor.rollout.env_path=unused", "adv.estimator=gae", "critic.lora.rank=4",
+                              "critic.lora.alpha=8", "critic.lr=1e-2", "critic.clip=null",
+                              "critic.dtype=float32"])
+    # start-up: the PPO checks and the LoRA checks Trainer.validate_layouts runs per worker
+    check_config(cfg)
+    assert lora.check_config(cfg.critic, "critic") == [] and not lora.enabled(cfg.actor)
+    tp = load_config("ppo", [f"actor.model_name={model_dir}", "data.train.path=unused",
+                             "actor.rollout.env_path=unused", "critic.lora.rank=4", "critic.tp_size=2"])
+    assert any("critic.lora.rank > 0 does not compose with critic.tp_size=2" in p
+               for p in lora.check_config(tp.critic, "critic"))
+    critic = Critic(cfg.critic, "cpu", total_steps=3, seed=0)
+    params = dict(critic.model.named_parameters())
+    trainable = {n for n, p in params.items() if p.requires_grad}
+    frozen = set(params) - trainable
+    head = {n for n in trainable if n.startswith(f"{lora.VALUE_HEAD}.")}
+    assert head and all(".modules_to_save.default." in n for n in head)  # the trained head copy
+    assert trainable - head and all(".lora_A." in n or ".lora_B." in n for n in trainable - head)
+    in_opt = {id(p) for g in critic.optimizer.param_groups for p in g["params"]}
+    assert in_opt == {id(params[n]) for n in trainable}
+    before = {n: p.detach().full_tensor().clone() for n, p in params.items()}
+    samples = fixed_batch(critic.config.vocab_size)
+    losses = [critic_update(critic, samples, cfg.critic, seed=1)["value_loss"] for _ in range(3)]
+    after = {n: p.detach().full_tensor() for n, p in params.items()}
+    assert all(torch.equal(after[n], before[n]) for n in frozen)
+    assert all(not torch.equal(after[n], before[n]) for n in head | {n for n in trainable if ".lora_B." in n})
+    return losses
+
+
+def test_critic_lora_trains_only_adapters_and_the_value_head(assets):
+    """critic.lora.rank=4 (PPO with GAE): the critic's trainable parameters are its adapters and
+    the value head, nothing frozen moves, and three value updates on one batch lower the loss."""
+    (losses,) = run_dist(_critic_lora_updates, 1, assets["model"])
+    assert all(math.isfinite(v) for v in losses) and losses[-1] < losses[0], losses
 
 
 def test_missing_peft_is_named_at_start_up(monkeypatch):

@@ -39,7 +39,7 @@ def _corpus(n_lines: int = 3000, seed: int = 0):
 
 
 def build_tokenizer(out_dir: str | None = None, vocab_size: int = 512):
-    """Train a small byte-level BPE (ChatML special tokens and template), fast enough to build per test run.
+    """Train a small byte-level BPE with ChatML special tokens and template (cheap: built per run).
 
     Its pipeline is Qwen2's (NFC, Qwen2's split regex, byte-level): transformers rebuilds the
     tokenizer of any directory whose config says qwen2 with that pipeline, whatever

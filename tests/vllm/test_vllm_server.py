@@ -70,8 +70,11 @@ def test_server_dying_mid_rollout_is_a_clear_error(server, assets):
     async def keep_generating():
         # Back-to-back requests until one fails: some are always in flight when the server dies
         # (a fixed batch could finish before the kill on an idle machine; CI saw exactly that).
-        while True:
+        # Bounded: a server that outlived the kill ends the loop and fails the assert below.
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
             await engine.generate(prompt, SamplingParams(max_new_tokens=100, n=4))
+        return "still answering 90 s after the kill"
 
     async def rollout_then_kill():
         tasks = [asyncio.ensure_future(keep_generating()) for _ in range(8)]

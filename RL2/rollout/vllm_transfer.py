@@ -32,9 +32,12 @@ def register() -> None:
     """vLLM general-plugin entry point (runs in every vLLM process; must be idempotent)."""
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
-    if BACKEND not in WeightTransferEngineFactory._registry:  # register_engine raises on repeats
+    try:
         WeightTransferEngineFactory.register_engine(
             BACKEND, "RL2.rollout.vllm_plugin", "GlooWeightTransferEngine")
+    except ValueError as e:  # vLLM 0.32 raises on a second registration of the same name
+        if "already registered" not in str(e):
+            raise
 
 
 def layout(shapes: list, dtypes: list[torch.dtype]) -> tuple[list[int], int]:

@@ -13,6 +13,12 @@ from tests.dist_utils import free_port
 
 # The shipped arithmetic env the PPO runs train against.
 ANSWER_MATCH = str(Path(__file__).resolve().parents[1] / "envs" / "answer_match.py")
+# An env whose reward varies between samples of any model (even an untrained one), so every
+# step has advantages and the policy moves; write it to a file for actor.rollout.env_path.
+LENGTH_ENV = '''
+async def step(state, action, extra_info):
+    return {"next_state": None, "reward": float(len(action) % 3 == 0), "done": True}
+'''
 
 
 def run_trainer(trainer: str, nproc: int, overrides: list[str], run_dir, timeout: float = 600,

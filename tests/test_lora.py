@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from tests.dist_utils import run_dist
-from tests.run_utils import (assert_close, dpo_args, hf_test_loss, layout, read_metrics, run_trainer,
-                             sft_args, train_rows)
+from tests.run_utils import (LENGTH_ENV, assert_close, dpo_args, hf_test_loss, layout, read_metrics,
+                             run_trainer, sft_args, train_rows)
 
 LORA = ["actor.lora.rank=4", "actor.lora.alpha=8"]
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -153,10 +153,101 @@ def test_merged_weights_equal_peft_merge_and_unload(assets):
                                   base["model.layers.0.self_attn.q_proj.weight"])
 
 
+class AdapterSink:
+    """Records `Engine.update_adapter` calls by writing each adapter the way the vLLM engines do
+    (RL2.workers.lora.write_adapter) into `out_dir/v{n}`."""
+
+    def __init__(self, out_dir):
+        self.out_dir, self.paths = out_dir, []
+
+    def update_adapter(self, named_tensors, config):
+        from RL2.workers.lora import write_adapter
+
+        self.paths.append(os.path.join(self.out_dir, f"v{len(self.paths) + 1}"))
+        write_adapter(self.paths[-1], named_tensors, config)
+
+    def update_weights(self, named_tensors):
+        raise AssertionError("adapter-only sync sent full weights")
+
+    def resume_memory(self, tags=None):
+        pass
+
+
+def _adapter_sync(rank, world, model_dir, out_dir):
+    """Adapter-only WeightSync from an FSDP2 actor: the written adapter loads with PEFT onto the
+    base model and gives the actor's log-probs; only adapter bytes move."""
+    from omegaconf import OmegaConf
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    import RL2
+    from RL2.rollout.weight_sync import WeightSync
+    from RL2.utils.checkpoint import full_state_dict
+    from RL2.workers.actor import Actor
+
+    cfg = OmegaConf.load(os.path.join(os.path.dirname(RL2.__file__), "config/worker/default.yaml"))
+    cfg.model_name, cfg.dtype, cfg.lora.rank, cfg.lora.alpha = model_dir, "float32", 4, 8
+    actor = Actor(cfg, "cpu", total_steps=1, seed=0)
+    from torch.distributed.tensor import distribute_tensor
+
+    gen = torch.Generator().manual_seed(1)  # the same full tensors on every rank
+    with torch.no_grad():
+        for n, p in actor.model.named_parameters():
+            if ".lora_B." in n:
+                p.copy_(distribute_tensor(0.1 * torch.randn(p.shape, generator=gen), p.device_mesh, p.placements))
+    sink = AdapterSink(out_dir) if rank == 0 else None
+    sync = WeightSync(actor.model, adapter_only=True)
+    metrics = sync(sink)
+    state = full_state_dict(actor.model)
+    if rank:
+        return None
+    ids = torch.tensor([[5, 17, 42, 9, 30, 11]])
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    base_logits = model(ids).logits
+    loaded = PeftModel.from_pretrained(model, sink.paths[0])
+    ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    ref = get_peft_model(ref, LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS))
+    ref.load_state_dict({f"base_model.model.{k}": v for k, v in state.items()}, strict=False)
+    adapter_bytes = sum(v.numel() * v.element_size() for k, v in state.items() if ".lora_" in k)
+    with torch.no_grad():
+        got, want = loaded(ids).logits, ref(ids).logits
+    return {"err": (got - want).abs().max().item(), "moved": (got - base_logits).abs().max().item(),
+            "bytes": metrics["sync_bytes"], "adapter_bytes": adapter_bytes,
+            "model_bytes": sum(v.numel() * v.element_size() for v in state.values())}
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_adapter_only_sync_reloads_with_peft_to_the_actor(assets, tmp_path, world):
+    res = run_dist(_adapter_sync, world, assets["model"], str(tmp_path))[0]
+    assert res["err"] < 1e-5 and res["moved"] > 1e-3, res
+    assert res["bytes"] == res["adapter_bytes"] < res["model_bytes"] / 5, res
+
+
 def test_tensor_parallel_is_refused_at_start_up(assets, tmp_path):
     proc = run_trainer("sft", 2, sft_args(assets, *LORA, "actor.tp_size=2"), tmp_path, check=False)
     assert proc.returncode != 0
     assert "actor.lora.rank > 0 does not compose with actor.tp_size=2" in proc.stderr
+
+
+def test_lora_sync_mode_and_its_start_up_checks():
+    """auto: adapters for an in-process or server-url vLLM engine, merged weights otherwise (the
+    torch engine, and engine servers, which may be RL2 torch-engine servers); asking adapters of
+    an engine that cannot load them stops the run at start-up, naming the key."""
+    from omegaconf import OmegaConf
+
+    from RL2.rollout.rollout import check_lora_sync, lora_sync_mode
+
+    def cfg(**kw):
+        return OmegaConf.create({"lora_sync": "auto", "placement": "colocated", "engine": "torch", **kw})
+
+    assert lora_sync_mode(cfg(), "vllm") == "adapter"
+    assert lora_sync_mode(cfg(), "torch") == lora_sync_mode(cfg(placement="disaggregated"), "vllm") == "merged"
+    assert lora_sync_mode(cfg(lora_sync="adapter", placement="disaggregated"), "vllm") == "adapter"
+    assert check_lora_sync(cfg(lora_sync="adapter"), 0, "cpu") == []  # LoRA off: nothing to sync
+    (problem,) = check_lora_sync(cfg(lora_sync="adapter"), 4, "cpu")
+    assert "actor.rollout.lora_sync=adapter needs an engine that loads LoRA adapters" in problem
+    assert check_lora_sync(cfg(lora_sync="adapter", engine="vllm"), 4, "cpu") == []
+    assert "use one of" in check_lora_sync(cfg(lora_sync="both"), 4, "cpu")[0]
 
 
 # ----- parallel == serial (the layout grid of tests/run_utils.py, tp excluded) -----
@@ -265,19 +356,13 @@ def test_resume_is_exact_and_the_adapter_reloads_with_peft(assets, tmp_path):
         assert saved.encode(t) == tok.encode(t), t
 
 
-ANSWER_ENV = '''
-async def step(state, action, extra_info):
-    return {"next_state": None, "reward": float(len(action) % 3 == 0), "done": True}
-'''
-
-
 @pytest.mark.slow
 def test_ppo_engine_logps_equal_trainer_logps_after_merged_syncs(assets, tmp_path):
     """The adapters move every step (lr 1e-2); the torch engine, fed merged weights, samples
     with the trainer's log-probs (strict_on_policy at 1e-5); the KL to the adapter-free
     reference (the actor with adapters off) is 0 at the first update (B = 0) and grows after."""
     env = tmp_path / "env.py"
-    env.write_text(ANSWER_ENV)
+    env.write_text(LENGTH_ENV)
     args = [f"actor.model_name={assets['model']}", f"data.train.path={assets['data']}/ppo_train.jsonl",
             f"actor.rollout.env_path={env}", *LORA, "actor.lr=1e-2", "actor.strict_on_policy=true",
             "actor.on_policy_tol=1e-5", "kl.coef=0.1", "kl.type=loss",

@@ -65,6 +65,12 @@ class Engine(ABC):
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load full (unsharded) tensors keyed by HF parameter names."""
 
+    def update_adapter(self, named_tensors: Iterable[tuple[str, torch.Tensor]], config: dict) -> None:
+        """Serve the base model with this LoRA adapter from now on: full lora_A/lora_B tensors
+        under PEFT's saved names, and PEFT's adapter_config fields (engines that load adapters:
+        vLLM)."""
+        raise NotImplementedError(f"{type(self).__name__} takes merged weights, not LoRA adapters")
+
     def can_share_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]] | None = None) -> bool:
         """Whether `share_weights` works (weights in this process's CPU memory), and, given
         (name, tensor) pairs (meta tensors do), whether it would accept exactly those."""

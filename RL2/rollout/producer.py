@@ -140,7 +140,7 @@ class Producer:
         if engine is not None:
             if hasattr(engine, "next_version"):  # engine servers report the version they hold
                 engine.next_version = str(version)
-            engine.update_weights(iter(weights))
+            self.rollout.load(weights)
         self.engine_version = version
         with self.cond:  # older snapshots are never needed again
             for v in [v for v in self.snapshots if v < version]:

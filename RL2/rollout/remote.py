@@ -6,6 +6,8 @@ disaggregated`, `actor.rollout.servers=[host:port, ...]`).
 - generate: each call goes to the live server with the fewest calls in flight (ties: the first
   listed). The per-request seed travels with the request, so a trajectory does not depend on
   which server ran it.
+- update_adapter (LoRA, `actor.rollout.lora_sync=adapter`): the adapter is written once under
+  `actor.rollout.lora_dir` and every server loads it from there (vLLM's LoRA routes).
 - update_weights: one gloo group per server (trainer rank 0 + that server's workers, rl2_gloo
   wire format); each bucket is sent to every live server concurrently; start -> update per
   bucket -> finish with the version label (the trainer's step).
@@ -18,6 +20,8 @@ disaggregated`, `actor.rollout.servers=[host:port, ...]`).
 import asyncio
 import importlib.util
 import logging
+import os
+import shutil
 import socket
 import time
 import urllib.parse
@@ -25,7 +29,8 @@ import urllib.parse
 import torch
 
 from RL2.rollout.engine import Engine, GenerationOutput, SamplingParams
-from RL2.rollout.vllm_engine import VLLMServerEngine
+from RL2.rollout.vllm_engine import VLLMServerEngine, adapter_root
+from RL2.workers.lora import write_adapter
 from RL2.rollout.vllm_transfer import BACKEND, make_buckets
 
 logger = logging.getLogger(__name__)
@@ -73,10 +78,12 @@ class RemotePool(Engine):
     def __init__(self, servers: list[str], tokenizer=None, *, max_model_len: int = 2048,
                  dtype: str = "float32", bucket_mb: float = 512, timeout_s: float = 600.0,
                  health_timeout_s: float = 30.0, connect_timeout_s: float | None = None,
-                 transfer_host: str | None = None, transfer_backend: str = BACKEND):
+                 transfer_host: str | None = None, transfer_backend: str = BACKEND,
+                 lora_dir: str | None = None):
         """`timeout_s` bounds every generate and weight-transfer call; `health_timeout_s` is how
         long a server may leave /health unanswered; `connect_timeout_s` (default timeout_s) how
-        long to wait for every server to come up at start."""
+        long to wait for every server to come up at start. `lora_dir`: where LoRA adapter-only
+        syncs are written for the servers to load (a path they read; None: a temporary one)."""
         if not servers:
             raise ValueError("actor.rollout.servers is empty: disaggregated placement needs the "
                              "host:port of at least one engine server")
@@ -94,6 +101,8 @@ class RemotePool(Engine):
             client._close_loop()  # the pool's loop runs everything
             self.servers.append(_Server(i, client))
         self.next_version: str | None = None  # label of the next sync (the trainer's step)
+        self.lora_dir, self._lora = lora_dir, None
+        self._lora_root: tuple[str, bool] | None = None  # (dir, ours to delete), on the first adapter
         self._syncs = 0
         self.counts = {"servers_lost": 0, "requests_retried": 0}
         self._monitor = None
@@ -223,6 +232,23 @@ class RemotePool(Engine):
         self.loop.run_until_complete(asyncio.wait_for(self._update(named_tensors), self.timeout_s * 4))
         logger.debug("weights pushed to %d server(s) in %.2f s", len(self.live()), time.monotonic() - start)
 
+    def update_adapter(self, named_tensors, config: dict) -> None:
+        """LoRA adapter-only sync: the adapter is written once and every live server loads it
+        (vLLM's /v1/load_lora_adapter; see VLLMServerEngine); versions as in update_weights."""
+        if self._lora_root is None:
+            self._lora_root = adapter_root(self.lora_dir)
+        self._syncs += 1
+        version = self.next_version if self.next_version is not None else str(self._syncs)
+        name = f"rl2-lora-v{self._syncs}"
+        lora = (name, self._syncs, os.path.join(self._lora_root[0], name))
+        write_adapter(lora[2], named_tensors, config)
+        previous = self._lora
+        coro = self._each(lambda s: s.client._load_adapter(lora, previous, version))
+        self.loop.run_until_complete(asyncio.wait_for(coro, self.timeout_s))
+        self._lora, self.next_version = lora, None
+        if previous is not None:
+            shutil.rmtree(previous[2], ignore_errors=True)
+
     def weight_versions(self) -> dict[str, str]:
         return {s.url: s.client.weight_version() for s in self.live()}
 
@@ -244,6 +270,8 @@ class RemotePool(Engine):
                 loop.run_until_complete(asyncio.wait({self._monitor}))
         if not self.loop.is_closed():
             self.loop.close()
+        if self._lora_root is not None and self._lora_root[1]:
+            shutil.rmtree(self._lora_root[0], ignore_errors=True)
 
 
 def transfer_backend(r, device: str) -> str:
@@ -259,7 +287,7 @@ def make_pool(cfg, tokenizer, device: str) -> RemotePool:
     return RemotePool(list(cfg.servers), tokenizer, max_model_len=cfg.max_model_len or cfg.max_length,
                       dtype=cfg.server_dtype, bucket_mb=cfg.bucket_mb, timeout_s=cfg.server_timeout,
                       health_timeout_s=cfg.health_timeout, transfer_host=cfg.transfer_host,
-                      transfer_backend=transfer_backend(cfg, device))
+                      transfer_backend=transfer_backend(cfg, device), lora_dir=cfg.get("lora_dir"))
 
 
 def check_placement(r, device: str = "cpu") -> list[str]:

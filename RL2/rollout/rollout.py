@@ -41,6 +41,34 @@ def engine_kwargs(kind: str, cfg, rank: int, seed: int = 0) -> dict:
     return dict(max_model_len=cfg.max_model_len) if cfg.max_model_len else {}
 
 
+LORA_SYNC = ("auto", "merged", "adapter")
+
+
+def lora_sync_mode(cfg, kind: str) -> str:
+    """`actor.rollout.lora_sync` (cfg) resolved for the backend `kind`: adapter (the engine loads
+    the LoRA adapter; auto picks it for an in-process or `vllm.server_url` vLLM engine) or merged
+    (full weights W + scale * B @ A). Engine servers (disaggregated) take adapters only when
+    asked: an RL2 torch-engine server cannot load them."""
+    mode = cfg.get("lora_sync", "auto")
+    if mode != "auto":
+        return mode
+    colocated = cfg.get("placement", "colocated") == "colocated"
+    return "adapter" if kind == "vllm" and colocated else "merged"
+
+
+def check_lora_sync(cfg, lora_rank: int, device: str) -> list[str]:
+    """Problems of `actor.rollout.lora_sync` (cfg) for an actor with LoRA rank `lora_rank`."""
+    if cfg.lora_sync not in LORA_SYNC:
+        return [f"actor.rollout.lora_sync={cfg.lora_sync!r}: use one of {LORA_SYNC}"]
+    if lora_rank <= 0 or cfg.lora_sync != "adapter" or cfg.placement == "disaggregated":
+        return []
+    kind = resolve_engine_kind(cfg.engine, device)
+    if kind == "vllm":
+        return []
+    return [f"actor.rollout.lora_sync=adapter needs an engine that loads LoRA adapters (vLLM): "
+            f"engine={cfg.engine} resolves to {kind}, which takes merged weights (use merged or auto)"]
+
+
 def sampling_params(cfg, seed=None) -> SamplingParams:
     p = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
                        max_new_tokens=cfg.max_new_tokens, stop=list(cfg.stop),
@@ -70,7 +98,9 @@ class Rollout:
     on_abort = None
     requeued = 0
 
-    def __init__(self, cfg, tokenizer, env, model_path: str, device: str, seed: int):
+    def __init__(self, cfg, tokenizer, env, model_path: str, device: str, seed: int, lora_rank: int = 0):
+        """`lora_rank`: the actor's LoRA rank (0 = off); with adapter sync the engine is built to
+        load adapters of that rank."""
         self.cfg, self.tokenizer, self.env, self.seed = cfg, tokenizer, env, seed
         rank, world = dist.get_rank(), dist.get_world_size()
         if world % cfg.tp_size:
@@ -91,6 +121,9 @@ class Rollout:
         self.peer = None  # SGLang: this rank's part in the weight updates of its group's engine
         self._weight_sync = None  # built on the first sync (a collective over the model's ranks)
         kw = engine_kwargs(self.kind, cfg, rank, seed)
+        self.adapter_sync = bool(lora_rank) and lora_sync_mode(cfg, self.kind) == "adapter"
+        if self.adapter_sync and self.kind == "vllm":
+            kw.update(lora_rank=lora_rank, lora_dir=cfg.get("lora_dir"))
         if self.kind == "sglang" and not self.disaggregated:
             kw.update(self._sglang_group(model_path, kw))
         if self.is_leader and self.disaggregated:
@@ -133,8 +166,13 @@ class Rollout:
     def _sync_for(self, model, share: bool = True) -> WeightSync:
         ws = self._weight_sync
         if ws is None or ws.model is not model or ws.share != share:
-            self._weight_sync = ws = WeightSync(model, self.cfg.weight_sync, self.cfg.bucket_mb, share=share)
+            self._weight_sync = ws = WeightSync(model, self.cfg.weight_sync, self.cfg.bucket_mb, share=share,
+                                                adapter_only=self.adapter_sync)
         return ws
+
+    def load(self, weights: list) -> None:
+        """Load a `snapshot` into this rank's engine (asynchronous rollout's producer)."""
+        self._weight_sync.load(self.engine, weights)
 
     def snapshot(self, model) -> list | None:
         """A private copy of the model's full weights, (HF name, tensor) pairs, for this rank's

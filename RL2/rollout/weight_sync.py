@@ -74,17 +74,20 @@ class WeightSync:
     whose parameters are replaced (e.g. `load_state_dict(assign=True)`) needs a new WeightSync."""
 
     def __init__(self, model, transport: str = "auto", bucket_mb: float = 512,
-                 dtype: torch.dtype | None = None, share: bool = True):
+                 dtype: torch.dtype | None = None, share: bool = True, adapter_only: bool = False):
         """share: let engines that can use the trainer's tensors (local) or the shared file (shm)
-        as their weights; False makes every engine copy."""
+        as their weights; False makes every engine copy. adapter_only: with LoRA, move only the
+        adapters (`Engine.update_adapter`) instead of merged weights."""
         if transport not in TRANSPORTS:
             raise ValueError(f"weight sync transport must be one of {TRANSPORTS}, got {transport!r}")
         self.model, self.dtype, self.share = model, dtype, share
-        from RL2.workers.lora import scalings
+        from RL2.workers.lora import adapter_config, is_adapter, scalings
 
         # LoRA: the engine gets merged HF weights (W + scale * B @ A), streamed and copied (an
-        # engine cannot alias or share tensors that do not exist on the trainer side).
+        # engine cannot alias or share tensors that do not exist on the trainer side), or only
+        # the adapters (the base never changes).
         self.lora_scaling = scalings(model) or None
+        self.adapter = adapter_config(model) if self.lora_scaling and adapter_only else None
         if self.lora_scaling:
             self.share = False
         self.bucket_bytes = int(bucket_mb * 2**20)
@@ -92,6 +95,8 @@ class WeightSync:
         # The parameter objects, fetched once (FSDP2 keeps its sharded parameters for the whole
         # run and updates them in place; a state_dict() call costs as much as syncing 1M params).
         self._params = _state(model)
+        if self.adapter:
+            self._params = {n: t for n, t in self._params.items() if is_adapter(n)}
         self.transport = self._choose(transport)
         # chosen on the first sync: "aliased" (local, the engine uses the trainer's tensors),
         # "shared" / "buckets" (shm); None = streamed copies
@@ -235,11 +240,22 @@ class WeightSync:
     def stream(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, full tensor) of every weight, for engines that copy; consume it completely
         on every rank. Tensors from the shm transport are views valid until the next bucket."""
+        if self.adapter:  # (PEFT name, copy): bucket views are reused, engines may hold them
+            from RL2.workers.lora import peft_name
+
+            return ((peft_name(n), t.clone()) for n, t in self._stream_full())
         if self.lora_scaling:
             from RL2.workers.lora import merged_items
 
             return merged_items(self._stream_full(), self.lora_scaling, copy=self.transport != "local")  # bucket views are reused
         return self._stream_full()
+
+    def load(self, engine, weights) -> None:
+        """Give `engine` the pairs of `stream()` (now, or kept by `Rollout.snapshot`)."""
+        if self.adapter:
+            engine.update_adapter(iter(weights), self.adapter)
+        else:
+            engine.update_weights(iter(weights))
 
     def _stream_full(self) -> Iterator[tuple[str, torch.Tensor]]:
         if self.transport == "local":
@@ -328,7 +344,7 @@ class WeightSync:
                 for _ in counted():
                     pass
             else:
-                engine.update_weights(counted())
+                self.load(engine, counted())
         if engine is not None:
             engine.resume_memory()  # the rest (SGLang: cuda_graph, kv_cache)
         return {"sync_seconds": time.perf_counter() - start, "sync_bytes": n_bytes}

@@ -28,7 +28,7 @@ from RL2.rollout.engine import resolve_engine_kind
 from RL2.rollout.env import EnvError, load_env
 from RL2.rollout.producer import INFLIGHT_MODES, Producer, drop_stale
 from RL2.rollout.remote import check_placement
-from RL2.rollout.rollout import Rollout
+from RL2.rollout.rollout import Rollout, check_lora_sync
 from RL2.rollout.weight_sync import TRANSPORTS
 from RL2.trainer.base import AdaptersOff, Trainer
 from RL2.utils import checkpoint
@@ -51,6 +51,7 @@ def check_config(cfg):
     with what to change."""
     problems = _algorithm_problems(cfg) + _rollout_problems(cfg.actor.rollout)
     problems += check_placement(cfg.actor.rollout, resolve_device(cfg.trainer.device)) + check_async_config(cfg)
+    problems += check_lora_sync(cfg.actor.rollout, cfg.actor.lora.rank, resolve_device(cfg.trainer.device))
     r = cfg.actor.rollout
     # A rollout sequence must fit one micro-batch of every worker that reads it.
     workers = ["actor"] + (["critic"] if cfg.adv.estimator == "gae" else [])
@@ -187,7 +188,8 @@ class PPOTrainer(Trainer):
             from RL2.workers.critic import Critic
 
             self.critic = Critic(cfg.critic, self.device, total_steps=self.n_steps, seed=seed)
-        self.rollout = Rollout(r, self.tokenizer, self.env, cfg.actor.model_name, self.device, seed)
+        self.rollout = Rollout(r, self.tokenizer, self.env, cfg.actor.model_name, self.device, seed,
+                               lora_rank=cfg.actor.lora.rank)
         if r.reward_model:
             from RL2.rollout.reward_model import RewardModel
 

@@ -11,6 +11,7 @@ merged export.
 """
 import contextlib
 import importlib.util
+import json
 import os
 from typing import Iterable, Iterator
 
@@ -18,6 +19,7 @@ import torch
 
 from RL2.utils.config import resolve_dtype
 
+ADAPTER_MARKS = (".lora_A.default.", ".lora_B.default.")
 VALUE_HEAD = "score"  # AutoModelForTokenClassification's head: trained in full (PEFT modules_to_save)
 
 
@@ -142,3 +144,50 @@ def save_adapter(peft_model, state: dict, out_dir: str):
     save_file({k: v.contiguous() for k, v in adapter.items()},
               os.path.join(out_dir, "adapter_model.safetensors"), metadata={"format": "pt"})
     peft_model.peft_config["default"].save_pretrained(out_dir)  # adapter_config.json
+
+
+# ---------------------------------------------------------------------- adapter-only weight sync
+def is_adapter(name: str) -> bool:
+    """A lora_A / lora_B weight of the injected model's state dict."""
+    return any(m in name for m in ADAPTER_MARKS)
+
+
+def peft_name(name: str) -> str:
+    """State-dict name -> the name PEFT saves (`PeftModel.save_pretrained`): the PeftModel's
+    `base_model.model.` prefix, without the adapter name."""
+    for mark in ADAPTER_MARKS:
+        name = name.replace(mark, mark.replace("default.", ""))
+    return "base_model.model." + name
+
+
+def adapter_config(model) -> dict | None:
+    """The adapter_config.json fields (PEFT's LoraConfig) of the adapters injected into `model`,
+    for engines that load adapters; None without LoRA layers."""
+    if importlib.util.find_spec("peft") is None:
+        return None
+    from peft.tuners.lora import LoraLayer
+
+    layers = {n: m for n, m in model.named_modules() if isinstance(m, LoraLayer)}
+    if not layers:
+        return None
+    ranks = {m.r["default"] for m in layers.values()}
+    alphas = {m.lora_alpha["default"] for m in layers.values()}
+    if len(ranks) > 1 or len(alphas) > 1:  # RL2 sets one rank/alpha for every target
+        raise ValueError(f"LoRA layers with mixed ranks {ranks} / alphas {alphas}")
+    return {"peft_type": "LORA", "r": ranks.pop(), "lora_alpha": alphas.pop(), "lora_dropout": 0.0,
+            "target_modules": sorted({n.rsplit(".", 1)[-1] for n in layers}), "bias": "none",
+            "base_model_name_or_path": getattr(model, "name_or_path", None)}
+
+
+def write_adapter(out_dir: str, named_tensors, config: dict) -> int:
+    """Write (PEFT name, tensor) pairs and their config as a PEFT adapter directory (what
+    `PeftModel.from_pretrained` and vLLM's LoRA loader read); returns the bytes written. Needs
+    no PEFT (engine environments may lack it)."""
+    from safetensors.torch import save_file
+
+    os.makedirs(out_dir, exist_ok=True)
+    tensors = {n: t.detach().to("cpu").contiguous() for n, t in named_tensors}
+    save_file(tensors, os.path.join(out_dir, "adapter_model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(out_dir, "adapter_config.json"), "w") as f:
+        json.dump(config, f)
+    return sum(t.numel() * t.element_size() for t in tensors.values())

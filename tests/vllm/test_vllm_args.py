@@ -42,10 +42,11 @@ def test_every_argument_is_one_vllm_0_32_accepts(cuda):
     from vllm.engine.arg_utils import AsyncEngineArgs
 
     args = engine_args("/m", cuda=cuda, dtype="bfloat16" if cuda else "float32", max_model_len=256,
-                       tp_size=2 if cuda else 1, seed=3, kv_cache_mb=64, device_ids=[2, 3])
+                       tp_size=2 if cuda else 1, seed=3, kv_cache_mb=64, device_ids=[2, 3], lora_rank=4)
     fields = {f.name for f in dataclasses.fields(AsyncEngineArgs)}
     assert set(args) <= fields, set(args) - fields
     built = AsyncEngineArgs(**args)  # the dataclass vLLM builds its config from
+    assert built.enable_lora and built.max_lora_rank == 8 and built.max_cpu_loras == 2  # rank 4 -> 8
     if cuda:
         assert built.tensor_parallel_size == 2 and built.device_ids == [2, 3]
         assert built.weight_transfer_config.backend == "nccl" and built.enable_sleep_mode
@@ -81,3 +82,16 @@ def test_servers_on_cuda_get_vllms_nccl_init_info(monkeypatch):
     gloo = client._new_sender()
     assert isinstance(gloo, GlooSender) and gloo.init_info()["world_size"] == 3
     gloo.close()
+
+
+def test_lora_ranks_are_vllms_max_lora_rank_choices():
+    import typing
+
+    from vllm.config.lora import MaxLoRARanks
+
+    from RL2.rollout.vllm_engine import LORA_RANKS, max_lora_rank
+
+    assert LORA_RANKS == typing.get_args(MaxLoRARanks)
+    assert [max_lora_rank(r) for r in (1, 2, 8, 9, 512)] == [1, 8, 8, 16, 512]
+    with pytest.raises(ValueError, match="exceeds"):
+        max_lora_rank(513)

@@ -4,15 +4,13 @@ RemotePool and pushes weights after every step over rl2_gloo. The engine's log-p
 the trainer's at every step (strict on-policy check + engine_kl), the server must report the
 trainer's step as its weight version (the reward rise is NOT asserted: see the test)."""
 import json
-import time
 from urllib.request import urlopen
 
 import pytest
 
-from RL2.rollout.engine import make_engine
 from tests.run_utils import ANSWER_MATCH, biased_warm_start, read_metrics, run_trainer
 from tests.server_utils import kill
-from tests.vllm.vllm_utils import start_vllm_server
+from tests.vllm.vllm_utils import connect, start_vllm_server
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -28,16 +26,7 @@ def warm_start(assets, tmp_path_factory):
 def test_disaggregated_grpo_against_vllm_serve(warm_start, assets, tmp_path):
     proc, url = start_vllm_server(warm_start["model"], tmp_path / "server.log")
     try:
-        deadline = time.monotonic() + 900
-        while True:  # vLLM's start-up: minutes on CPU
-            try:
-                make_engine("vllm", None, assets["tokenizer"], server_url=url, max_model_len=128,
-                            connect_timeout_s=5).shutdown()
-                break
-            except RuntimeError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise AssertionError(f"vllm serve did not come up:\n{(tmp_path / 'server.log').read_text()[-4000:]}")
-                time.sleep(5)
+        connect(proc, url, assets["tokenizer"], tmp_path / "server.log").shutdown()  # minutes on CPU
         run_trainer("ppo", 1, [
             f"actor.model_name={warm_start['model']}", f"data.train.path={warm_start['data'] / 'ppo_train.jsonl'}",
             f"actor.rollout.env_path={ANSWER_MATCH}", "actor.lr=2e-3", "actor.strict_on_policy=true",

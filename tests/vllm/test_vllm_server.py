@@ -8,9 +8,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from RL2.rollout.engine import SamplingParams, make_engine
+from RL2.rollout.engine import SamplingParams
 from tests.server_utils import kill
-from tests.vllm.vllm_utils import hf_logps, prompt_ids, start_vllm_server
+from tests.vllm.vllm_utils import connect, hf_logps, prompt_ids, start_vllm_server
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]  # a second vLLM start-up: 2-4 minutes
 
@@ -19,17 +19,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]  # a second vLLM start-up: 2-4
 def server(vllm_model, assets, tmp_path_factory):
     log = tmp_path_factory.mktemp("vllm_server") / "server.log"
     proc, url = start_vllm_server(vllm_model, log)
-    deadline = time.monotonic() + 900
-    engine = None
-    while engine is None:
-        if proc.poll() is not None or time.monotonic() > deadline:
-            kill(proc)
-            raise AssertionError(f"vllm serve did not come up:\n{log.read_text()[-4000:]}")
-        try:
-            engine = make_engine("vllm", None, assets["tokenizer"], server_url=url,
-                                 max_model_len=128, connect_timeout_s=5)
-        except RuntimeError:
-            time.sleep(5)
+    engine = connect(proc, url, assets["tokenizer"], log)
     yield proc, engine
     engine.shutdown()
     kill(proc)

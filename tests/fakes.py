@@ -59,16 +59,25 @@ class ScriptedEngine(Engine):
 #   `load_format="flattened_bucket"` update; there must be one payload per TP rank.
 # - Writing or sampling with released weight / KV memory is undefined on a GPU (garbage or a
 #   CUDA fault); the fake raises.
+# - LoRA (srt/managers/tokenizer_control_mixin.py load/unload_lora_adapter, srt/lora/): without
+#   `enable_lora` every load fails; a loaded name cannot be loaded again (lora_manager.py); an
+#   adapter of a rank or modules beyond `max_lora_rank` / `lora_target_modules` does not fit the
+#   memory pool; unloading or generating with a name that is not loaded fails (lora_registry.py).
+#   Failures return LoRAUpdateOutput(success=False, error_message); generate raises ValueError.
 # ---------------------------------------------------------------------------------------------
+import json
 import os
 import pickle
+from dataclasses import dataclass
 
 SGLANG_TAGS = ("kv_cache", "weights", "cuda_graph")  # sglang/srt/constants.py GPU_MEMORY_ALL_TYPES
 # The `sglang.Engine` methods RL2/rollout/sglang_engine.py (and FakeSGLang) use, with the keyword
 # parameters passed to each: checked against the 0.5.23 source (tests/test_sglang_source.py) and,
 # where sglang is installed, the imported class (tests/test_sglang_contract.py).
 SGLANG_ENGINE_METHODS = {
-    "async_generate": {"input_ids", "sampling_params", "return_logprob"},
+    "async_generate": {"input_ids", "sampling_params", "return_logprob", "lora_path"},
+    "load_lora_adapter": {"lora_name", "lora_path"},
+    "unload_lora_adapter": {"lora_name"},
     "update_weights_from_tensor": {"named_tensors", "load_format", "flush_cache"},
     "begin_weight_update": set(),
     "end_weight_update": set(),
@@ -77,6 +86,13 @@ SGLANG_ENGINE_METHODS = {
     "flush_cache": set(),
     "shutdown": set(),
 }
+
+
+@dataclass
+class LoRAUpdateOutput:
+    """sglang/srt/managers/io_struct.py LoRAUpdateOutput (0.5.23), the fields RL2 reads."""
+    success: bool
+    error_message: str | None = None
 
 
 class FakeSGLang:
@@ -92,11 +108,17 @@ class FakeSGLang:
         self.weights: dict = {}
         self.in_flight = 0
         self.fail_update = None  # a message: the next update returns (False, message)
+        self.loras: dict[str, dict] = {}  # name -> adapter tensors (the LoRA registry)
 
-    async def async_generate(self, input_ids=None, sampling_params=None, return_logprob=False):
+    async def async_generate(self, input_ids=None, sampling_params=None, return_logprob=False,
+                             lora_path=None):
         if self.paused & {"weights", "kv_cache"}:
             raise RuntimeError(f"generate with released memory {sorted(self.paused)}")
+        if lora_path is not None and lora_path not in self.loras:  # lora_registry.py acquire()
+            raise ValueError(f"The following requested LoRA adapters are not loaded: {lora_path}")
         self.calls.append(("generate", input_ids, dict(sampling_params), return_logprob))
+        if lora_path is not None:
+            self.calls[-1] += (lora_path,)
         n = len([c for c in self.calls if c[0] == "generate"])
         self.in_flight += 1
         await asyncio.sleep(0)
@@ -163,6 +185,36 @@ class FakeSGLang:
             if tag not in self.paused:
                 raise RuntimeError("[torch_memory_saver.cpp] Cannot resume allocation that is not paused.")
             self.paused.discard(tag)
+
+    def load_lora_adapter(self, lora_name, lora_path, pinned=False):
+        """tokenizer_control_mixin.py load_lora_adapter / lora_manager.py validate_new_adapter
+        (0.5.23): failures come back as LoRAUpdateOutput(success=False, error_message)."""
+        from safetensors.torch import load_file
+
+        self.calls.append(("load_lora", lora_name, lora_path))
+        args = self.server_args
+        if not args.get("enable_lora"):
+            return LoRAUpdateOutput(False, "LoRA is not enabled. Please set `--enable-lora` to enable LoRA.")
+        if lora_name in self.loras:
+            return LoRAUpdateOutput(False, f"Failed to load LoRA adapter {lora_name} because it is already loaded")
+        try:
+            with open(os.path.join(lora_path, "adapter_config.json")) as f:
+                config = json.load(f)
+            tensors = load_file(os.path.join(lora_path, "adapter_model.safetensors"))
+        except OSError as e:
+            return LoRAUpdateOutput(False, str(e))
+        # the LoRA memory pool is sized at start-up by max_lora_rank and lora_target_modules
+        if config["r"] > args["max_lora_rank"] or not set(config["target_modules"]) <= set(args["lora_target_modules"]):
+            return LoRAUpdateOutput(False, f"LoRA adapter {lora_name} with rank {config['r']} is incompatible")
+        self.loras[lora_name] = tensors
+        return LoRAUpdateOutput(True, None)
+
+    def unload_lora_adapter(self, lora_name):
+        self.calls.append(("unload_lora", lora_name))
+        if lora_name not in self.loras:  # lora_registry.py unregister()
+            return LoRAUpdateOutput(False, f"LoRA with name {lora_name} does not exist.")
+        del self.loras[lora_name]
+        return LoRAUpdateOutput(True, None)
 
     def flush_cache(self):
         return True

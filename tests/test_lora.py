@@ -230,7 +230,7 @@ def test_tensor_parallel_is_refused_at_start_up(assets, tmp_path):
 
 
 def test_lora_sync_mode_and_its_start_up_checks():
-    """auto: adapters for an in-process or server-url vLLM engine, merged weights otherwise (the
+    """auto: adapters for a colocated vLLM (in process or server url) or SGLang engine, merged weights otherwise (the
     torch engine, and engine servers, which may be RL2 torch-engine servers); asking adapters of
     an engine that cannot load them stops the run at start-up, naming the key."""
     from omegaconf import OmegaConf
@@ -240,7 +240,7 @@ def test_lora_sync_mode_and_its_start_up_checks():
     def cfg(**kw):
         return OmegaConf.create({"lora_sync": "auto", "placement": "colocated", "engine": "torch", **kw})
 
-    assert lora_sync_mode(cfg(), "vllm") == "adapter"
+    assert lora_sync_mode(cfg(), "vllm") == lora_sync_mode(cfg(), "sglang") == "adapter"
     assert lora_sync_mode(cfg(), "torch") == lora_sync_mode(cfg(placement="disaggregated"), "vllm") == "merged"
     assert lora_sync_mode(cfg(lora_sync="adapter", placement="disaggregated"), "vllm") == "adapter"
     assert check_lora_sync(cfg(lora_sync="adapter"), 0, "cpu") == []  # LoRA off: nothing to sync

@@ -11,7 +11,6 @@ import importlib.util
 import inspect
 import os
 import random
-import sys
 
 import pytest
 import torch
@@ -108,6 +107,60 @@ def test_adapter_maps_requests_and_outputs(fake_sglang):
     assert set(sent[0]) <= param_names(FakeSamplingParams)
     with pytest.raises(ValueError):
         engine.loop.run_until_complete(engine.generate([], params))
+    engine.loop.close()
+
+
+LORA_CONFIG = {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"],
+               "bias": "none"}
+
+
+def lora_tensors(seed: int) -> list:
+    g = torch.Generator().manual_seed(seed)
+    prefix = "base_model.model.model.layers.0.self_attn"
+    return [(f"{prefix}.{m}.lora_{ab}.weight", torch.randn(shape, generator=g))
+            for m in ("q_proj", "v_proj") for ab, shape in (("A", (4, 8)), ("B", (8, 4)))]
+
+
+def test_fake_enforces_sglang_lora_rules(tmp_path):
+    from RL2.workers.lora import write_adapter
+
+    write_adapter(str(tmp_path / "a"), lora_tensors(0), LORA_CONFIG)
+    plain = FakeSGLang(tp_size=1)
+    assert not plain.load_lora_adapter(lora_name="a", lora_path=str(tmp_path / "a")).success
+    fake = FakeSGLang(tp_size=1, enable_lora=True, max_lora_rank=4, lora_target_modules=["q_proj", "v_proj"])
+    assert fake.load_lora_adapter(lora_name="a", lora_path=str(tmp_path / "a")).success
+    assert not fake.load_lora_adapter(lora_name="a", lora_path=str(tmp_path / "a")).success  # loaded
+    write_adapter(str(tmp_path / "big"), lora_tensors(0), {**LORA_CONFIG, "r": 8})
+    assert not fake.load_lora_adapter(lora_name="big", lora_path=str(tmp_path / "big")).success
+    assert not fake.unload_lora_adapter(lora_name="b").success
+    with pytest.raises(ValueError, match="not loaded"):
+        fake.loop.run_until_complete(fake.async_generate([1], {}, True, lora_path="b"))
+    fake.loop.close()
+    plain.loop.close()
+
+
+def test_adapter_sync_loads_each_adapter_under_a_new_name(fake_sglang, tmp_path):
+    """LoRA adapter-only sync: the engine starts with the LoRA pool arguments, each sync loads
+    the adapter under a new name (SGLang refuses a loaded name) and unloads the previous one,
+    requests name the current one, and a failed load raises."""
+    engine = new_engine(lora_rank=4, lora_target_modules=["q_proj", "v_proj"], lora_dir=str(tmp_path))
+    fake = engine.engine
+    assert (fake.server_args["enable_lora"], fake.server_args["max_lora_rank"],
+            fake.server_args["lora_target_modules"]) == (True, 4, ["q_proj", "v_proj"])
+    engine.resume_memory()
+    for version in (1, 2):
+        tensors = lora_tensors(version)
+        engine.update_adapter(iter(tensors), LORA_CONFIG)
+        name = f"rl2-lora-v{version}"
+        assert list(fake.loras) == [name]  # the previous adapter is unloaded
+        assert all(torch.equal(fake.loras[name][n], t) for n, t in tensors)
+        engine.loop.run_until_complete(engine.generate([1, 2], SamplingParams(max_new_tokens=2)))
+        assert fake.calls[-1][-1] == name  # the request's lora_path
+    assert sorted(os.listdir(tmp_path)) == ["rl2-lora-v2"]  # older adapter files removed
+    with pytest.raises(RuntimeError, match="load_lora_adapter failed"):
+        engine.update_adapter(iter(lora_tensors(3)), {**LORA_CONFIG, "r": 8})  # beyond max_lora_rank
+    with pytest.raises(RuntimeError, match="without LoRA"):
+        new_engine().update_adapter(iter(lora_tensors(0)), LORA_CONFIG)
     engine.loop.close()
 
 

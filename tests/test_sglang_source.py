@@ -132,3 +132,28 @@ def test_memory_saver_refuses_double_pause_and_resume():
             blobs = b"".join(z.read(m) for m in z.namelist() if m.endswith(".so"))
     assert b"Cannot pause allocation that is not active." in blobs
     assert b"Cannot resume allocation that is not paused." in blobs
+
+
+def test_lora_adapter_loading_rules(src):
+    """What the adapter-only sync (SGLangEngine.update_adapter) and FakeSGLang's LoRA rules
+    rely on: the start-up arguments, the result type and the refusals."""
+    declared = set()
+    for path in (src / "srt/arg_groups/fields").glob("*.py"):
+        for node in ast.walk(tree(path)):
+            if isinstance(node, ast.ClassDef):
+                declared |= fields(node)
+    assert {"enable_lora", "max_lora_rank", "lora_target_modules"} <= declared
+    hook = (src / "srt/arg_groups/lora_hook.py").read_text()
+    assert "you need to specify both --max-lora-rank and --lora-target-modules" in hook
+    out = find(tree(src / "srt/managers/io_struct.py"), "LoRAUpdateOutput", ast.ClassDef)
+    assert {"success", "error_message"} <= fields(out)
+    mixin = src / "srt/managers/tokenizer_control_mixin.py"
+    load = source_of(mixin, find(tree(mixin), "load_lora_adapter"))
+    assert "LoRA is not enabled" in load and "success=False" in load
+    assert "because it is already loaded" in (src / "srt/lora/lora_manager.py").read_text()
+    registry = src / "srt/lora/lora_registry.py"
+    assert "are not loaded" in source_of(registry, find(tree(registry), "acquire"))
+    assert "does not exist" in source_of(registry, find(tree(registry), "unregister"))
+    engine = src / "srt/entrypoints/engine.py"
+    for name in ("load_lora_adapter", "unload_lora_adapter"):  # synchronous: called outside the loop
+        assert "self.loop.run_until_complete(" in source_of(engine, find(tree(engine), name))

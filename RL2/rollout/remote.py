@@ -29,8 +29,8 @@ import urllib.parse
 import torch
 
 from RL2.rollout.engine import Engine, GenerationOutput, SamplingParams
-from RL2.rollout.vllm_engine import VLLMServerEngine, adapter_root
-from RL2.workers.lora import write_adapter
+from RL2.rollout.vllm_engine import VLLMServerEngine
+from RL2.workers.lora import adapter_root, write_adapter
 from RL2.rollout.vllm_transfer import BACKEND, make_buckets
 
 logger = logging.getLogger(__name__)

@@ -42,18 +42,19 @@ def engine_kwargs(kind: str, cfg, rank: int, seed: int = 0) -> dict:
 
 
 LORA_SYNC = ("auto", "merged", "adapter")
+ADAPTER_ENGINES = ("vllm", "sglang")  # engines that load LoRA adapters
 
 
 def lora_sync_mode(cfg, kind: str) -> str:
     """`actor.rollout.lora_sync` (cfg) resolved for the backend `kind`: adapter (the engine loads
-    the LoRA adapter; auto picks it for an in-process or `vllm.server_url` vLLM engine) or merged
+    the LoRA adapter; auto picks it for colocated vLLM, in process or `vllm.server_url`, and SGLang) or merged
     (full weights W + scale * B @ A). Engine servers (disaggregated) take adapters only when
     asked: an RL2 torch-engine server cannot load them."""
     mode = cfg.get("lora_sync", "auto")
     if mode != "auto":
         return mode
     colocated = cfg.get("placement", "colocated") == "colocated"
-    return "adapter" if kind == "vllm" and colocated else "merged"
+    return "adapter" if kind in ADAPTER_ENGINES and colocated else "merged"
 
 
 def check_lora_sync(cfg, lora_rank: int, device: str) -> list[str]:
@@ -63,9 +64,9 @@ def check_lora_sync(cfg, lora_rank: int, device: str) -> list[str]:
     if lora_rank <= 0 or cfg.lora_sync != "adapter" or cfg.placement == "disaggregated":
         return []
     kind = resolve_engine_kind(cfg.engine, device)
-    if kind == "vllm":
+    if kind in ADAPTER_ENGINES:
         return []
-    return [f"actor.rollout.lora_sync=adapter needs an engine that loads LoRA adapters (vLLM): "
+    return [f"actor.rollout.lora_sync=adapter needs an engine that loads LoRA adapters (vLLM, SGLang): "
             f"engine={cfg.engine} resolves to {kind}, which takes merged weights (use merged or auto)"]
 
 
@@ -98,9 +99,9 @@ class Rollout:
     on_abort = None
     requeued = 0
 
-    def __init__(self, cfg, tokenizer, env, model_path: str, device: str, seed: int, lora_rank: int = 0):
-        """`lora_rank`: the actor's LoRA rank (0 = off); with adapter sync the engine is built to
-        load adapters of that rank."""
+    def __init__(self, cfg, tokenizer, env, model_path: str, device: str, seed: int, lora=None):
+        """`lora`: the actor's `lora` config (None or rank 0 = off); with adapter sync the engine
+        is built to load adapters of that rank and targets."""
         self.cfg, self.tokenizer, self.env, self.seed = cfg, tokenizer, env, seed
         rank, world = dist.get_rank(), dist.get_world_size()
         if world % cfg.tp_size:
@@ -121,9 +122,12 @@ class Rollout:
         self.peer = None  # SGLang: this rank's part in the weight updates of its group's engine
         self._weight_sync = None  # built on the first sync (a collective over the model's ranks)
         kw = engine_kwargs(self.kind, cfg, rank, seed)
-        self.adapter_sync = bool(lora_rank) and lora_sync_mode(cfg, self.kind) == "adapter"
-        if self.adapter_sync and self.kind == "vllm":
-            kw.update(lora_rank=lora_rank, lora_dir=cfg.get("lora_dir"))
+        rank = lora.rank if lora is not None else 0
+        self.adapter_sync = rank > 0 and lora_sync_mode(cfg, self.kind) == "adapter"
+        if self.adapter_sync and not self.disaggregated:
+            kw.update(lora_rank=rank, lora_dir=cfg.get("lora_dir"))
+            if self.kind == "sglang":
+                kw["lora_target_modules"] = list(lora.target_modules)
         if self.kind == "sglang" and not self.disaggregated:
             kw.update(self._sglang_group(model_path, kw))
         if self.is_leader and self.disaggregated:

@@ -20,6 +20,11 @@ to the RL2 `Engine` interface.
 - start-up runs with torchrun's TORCHELASTIC_* variables removed: with
   TORCHELASTIC_USE_AGENT_STORE=True, the c10d stores SGLang's subprocesses create all become
   clients of a store nobody serves (torch/distributed/rendezvous.py), and start-up hangs.
+- update_adapter (LoRA, `actor.rollout.lora_sync`): the engine starts with `enable_lora`,
+  `max_lora_rank` and `lora_target_modules` (0.5.23 needs both without initial `lora_paths`); each
+  sync writes a PEFT directory and `load_lora_adapter`s it under a new name (0.5.23 refuses a
+  name that is loaded), requests name it in `lora_path`, and the previous one is unloaded. The
+  load/unload calls return `LoRAUpdateOutput(success, error_message)`: a failure raises.
 - SGLang binds its asyncio loop at construction (`self.loop`): run rollouts on that loop, and call
   the synchronous methods (update/release/resume/shutdown) outside it.
 """
@@ -28,6 +33,7 @@ import contextlib
 import inspect
 import logging
 import os
+import shutil
 import socket
 from typing import Iterable, Iterator
 
@@ -36,6 +42,7 @@ import torch.distributed as dist
 
 from RL2.rollout.engine import Engine, GenerationOutput, SamplingParams
 from RL2.utils.seeding import derive_seed
+from RL2.workers.lora import adapter_root, write_adapter
 
 logger = logging.getLogger(__name__)
 
@@ -186,6 +193,12 @@ def _from_leader(value, group):
     return box[0]
 
 
+def check_lora_result(result, what: str) -> None:
+    """SGLang's LoRA calls return LoRAUpdateOutput(success, error_message); raise on failure."""
+    if not result.success:
+        raise RuntimeError(f"SGLang {what} failed: {result.error_message}")
+
+
 def _call(fn, what: str) -> str | None:
     try:
         check_result(fn(), what)
@@ -198,13 +211,21 @@ class SGLangEngine(Engine):
     def __init__(self, model_path: str, tokenizer=None, *, tp_size: int = 1,
                  mem_fraction_static: float = 0.5, base_gpu_id: int = 0, port: int | None = None,
                  enable_memory_saver: bool = True, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 group=None, **server_args):
+                 group=None, lora_rank: int = 0, lora_target_modules=(), lora_dir: str | None = None,
+                 **server_args):
         """Extra keyword arguments are passed to `sglang.Engine` (SGLang ServerArgs names).
         `group`: gloo process group of this rollout tp group (this rank is its first member; the
-        others hold an `SGLangPeer`), None when the group is this rank alone. `tokenizer` is unused (SGLang loads its own for stop strings)."""
+        others hold an `SGLangPeer`), None when the group is this rank alone. `tokenizer` is unused (SGLang loads its own for stop strings).
+        `lora_rank` > 0: serve LoRA adapters of that rank on `lora_target_modules`
+        (`update_adapter`), written under `lora_dir` (null: a temporary directory)."""
         import sglang
 
         self.bucket_bytes, self.group = bucket_bytes, group
+        self.lora_dir, self._own_lora_dir, self._lora, self._lora_syncs = None, False, None, 0
+        if lora_rank:
+            server_args.update(enable_lora=True, max_lora_rank=int(lora_rank),
+                               lora_target_modules=list(lora_target_modules))
+            self.lora_dir, self._own_lora_dir = adapter_root(lora_dir)
         self.dtype = engine_dtype(model_path, server_args.get("dtype", "auto"))
         with torchrun_env_scrubbed():
             self.engine = sglang.Engine(
@@ -231,8 +252,9 @@ class SGLangEngine(Engine):
         return out
 
     async def _generate_one(self, prompt_ids: list[int], sampling: dict) -> GenerationOutput:
+        lora = {"lora_path": self._lora[0]} if self._lora is not None else {}  # the adapter's name
         out = await self.engine.async_generate(input_ids=list(prompt_ids), sampling_params=sampling,
-                                               return_logprob=True)
+                                               return_logprob=True, **lora)
         meta = out["meta_info"]
         entries = meta.get("output_token_logprobs") or []
         token_ids = [int(e[1]) for e in entries] if entries else list(out.get("output_ids", []))
@@ -254,6 +276,19 @@ class SGLangEngine(Engine):
             raise RuntimeError("SGLang weights are released: resume ['weights'] before updating")
         push_buckets(named_tensors, self.bucket_bytes, self.dtype, self.group, self.engine)
 
+    def update_adapter(self, named_tensors, config: dict) -> None:
+        if self.lora_dir is None:
+            raise RuntimeError("this SGLang engine was built without LoRA (lora_rank=0)")
+        self._lora_syncs += 1
+        name = f"rl2-lora-v{self._lora_syncs}"
+        lora = (name, os.path.join(self.lora_dir, name))
+        write_adapter(lora[1], named_tensors, config)
+        check_lora_result(self.engine.load_lora_adapter(lora_name=name, lora_path=lora[1]), "load_lora_adapter")
+        previous, self._lora = self._lora, lora
+        if previous is not None:
+            check_lora_result(self.engine.unload_lora_adapter(lora_name=previous[0]), "unload_lora_adapter")
+            shutil.rmtree(previous[1], ignore_errors=True)
+
     def release_memory(self, tags: list[str] | None = None) -> None:
         todo = [t for t in _tags(tags) if t not in self.released]
         if todo:
@@ -268,6 +303,8 @@ class SGLangEngine(Engine):
 
     def shutdown(self) -> None:
         self.engine.shutdown()
+        if self._own_lora_dir:
+            shutil.rmtree(self.lora_dir, ignore_errors=True)
 
 
 def _tags(tags) -> list[str]:
@@ -287,6 +324,10 @@ class SGLangPeer:
 
     def update_weights(self, named_tensors) -> None:
         push_buckets(named_tensors, self.bucket_bytes, self.dtype, self.group)
+
+    def update_adapter(self, named_tensors, config: dict) -> None:
+        for _ in named_tensors:  # the stream is a collective; the leader loads the adapter
+            pass
 
     def release_memory(self, tags=None) -> None:
         pass

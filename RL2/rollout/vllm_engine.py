@@ -24,7 +24,6 @@ import json
 import logging
 import os
 import shutil
-import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -36,7 +35,7 @@ import torch
 from RL2.rollout.engine import Engine, GenerationOutput, SamplingParams, check_prompt, close_loop
 from RL2.rollout.vllm_transfer import BACKEND, GlooSender, NcclSender, make_buckets
 from RL2.utils.seeding import derive_seed
-from RL2.workers.lora import write_adapter
+from RL2.workers.lora import adapter_root, write_adapter
 
 logger = logging.getLogger(__name__)
 
@@ -57,15 +56,6 @@ def max_lora_rank(rank: int) -> int:
     if not fits:
         raise ValueError(f"LoRA rank {rank} exceeds vLLM's largest max_lora_rank {LORA_RANKS[-1]}")
     return fits[0]
-
-
-def adapter_root(lora_dir: str | None) -> tuple[str, bool]:
-    """(directory for the synced adapters, whether it is ours to delete): `lora_dir`, or a new
-    temporary one (in /dev/shm when there is one: the engine reads it back at once)."""
-    if lora_dir:
-        os.makedirs(lora_dir, exist_ok=True)
-        return lora_dir, False
-    return tempfile.mkdtemp(prefix="rl2-lora-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None), True
 
 
 class _VLLMBase(Engine):

@@ -189,7 +189,7 @@ class PPOTrainer(Trainer):
 
             self.critic = Critic(cfg.critic, self.device, total_steps=self.n_steps, seed=seed)
         self.rollout = Rollout(r, self.tokenizer, self.env, cfg.actor.model_name, self.device, seed,
-                               lora_rank=cfg.actor.lora.rank)
+                               lora=cfg.actor.lora)
         if r.reward_model:
             from RL2.rollout.reward_model import RewardModel
 

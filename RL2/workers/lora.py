@@ -13,6 +13,7 @@ import contextlib
 import importlib.util
 import json
 import os
+import tempfile
 from typing import Iterable, Iterator
 
 import torch
@@ -191,3 +192,12 @@ def write_adapter(out_dir: str, named_tensors, config: dict) -> int:
     with open(os.path.join(out_dir, "adapter_config.json"), "w") as f:
         json.dump(config, f)
     return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def adapter_root(lora_dir: str | None) -> tuple[str, bool]:
+    """(directory for the synced adapters, whether it is ours to delete): `lora_dir`, or a new
+    temporary one (in /dev/shm when there is one: the engine reads it back at once)."""
+    if lora_dir:
+        os.makedirs(lora_dir, exist_ok=True)
+        return lora_dir, False
+    return tempfile.mkdtemp(prefix="rl2-lora-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None), True

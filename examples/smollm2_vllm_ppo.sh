@@ -4,13 +4,16 @@
 # envs/answer_match.py: as examples/smollm2_ppo.sh, with actor.rollout.engine=vllm. The NPROC
 # training ranks form one rollout group whose leader holds one in-process vLLM engine (CPU: one
 # worker); weights go FSDP2 shards -> shared memory -> rl2_gloo -> vLLM after every step.
-# Usage: bash examples/smollm2_vllm_ppo.sh [NPROC] [STEPS]      (defaults: 2 processes, 10 steps)
+# Usage: bash examples/smollm2_vllm_ppo.sh [NPROC] [STEPS] [OVERRIDE ...]   (defaults: 2 processes, 10 steps)
 # Env: VLLM_PYTHON=path/to/python of a ready vLLM venv (skips the set-up); SMOLLM2_DIR=an already
-# converted model directory (skips the conversion).
+# converted model directory (skips the conversion); LR (default 2e-6), EXP (experiment name,
+# default ppo_vllm); OVERRIDEs are extra Hydra keys.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 NPROC="${1:-2}"
 STEPS="${2:-10}"
+LR="${LR:-2e-6}"
+EXP="${EXP:-ppo_vllm}"
 export PIP_ROOT_USER_ACTION=ignore PIP_DISABLE_PIP_VERSION_CHECK=1
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" TOKENIZERS_PARALLELISM=false WANDB_MODE=offline
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"   # this checkout's RL2, whichever venv runs it
@@ -29,7 +32,7 @@ if [ ! -f "$MODEL/model.safetensors" ]; then
     $PY -m RL2.tools.smollm2 --out "$MODEL"
 fi
 $PY -m RL2.tools.make_assets --out "$OUT/assets"
-rm -rf "$OUT/ckpts/ppo_vllm"   # a fresh run refuses a non-empty run directory: start clean
+rm -rf "$OUT/ckpts/$EXP"   # a fresh run refuses a non-empty run directory: start clean
 
 $PY -m torch.distributed.run --nproc_per_node="$NPROC" -m RL2.trainer.ppo \
     actor.model_name="$MODEL" \
@@ -40,10 +43,10 @@ $PY -m torch.distributed.run --nproc_per_node="$NPROC" -m RL2.trainer.ppo \
     actor.rollout.prompts_per_rollout=8 actor.rollout.responses_per_prompt=4 \
     actor.rollout.train_sampling_params.max_new_tokens=32 \
     actor.rollout.test_sampling_params.max_new_tokens=32 \
-    actor.lr=2e-6 actor.tis_coef=2.0 trainer.total_steps="$STEPS" trainer.test_freq=5 \
-    trainer.save_dir="$OUT/ckpts" trainer.experiment_name=ppo_vllm
+    actor.lr="$LR" actor.tis_coef=2.0 trainer.total_steps="$STEPS" trainer.test_freq=5 \
+    trainer.save_dir="$OUT/ckpts" trainer.experiment_name="$EXP" "${@:3}"
 
-$PY - "$OUT/ckpts/ppo_vllm/metrics.jsonl" <<'PY'
+$PY - "$OUT/ckpts/$EXP/metrics.jsonl" <<'PY'
 import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1])]
 r = [x["rollout/reward"] for x in rows if "rollout/reward" in x]

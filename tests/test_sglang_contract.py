@@ -156,11 +156,14 @@ def test_adapter_sync_loads_each_adapter_under_a_new_name(fake_sglang, tmp_path)
         assert all(torch.equal(fake.loras[name][n], t) for n, t in tensors)
         engine.loop.run_until_complete(engine.generate([1, 2], SamplingParams(max_new_tokens=2)))
         assert fake.calls[-1][-1] == name  # the request's lora_path
-    assert sorted(os.listdir(tmp_path)) == ["rl2-lora-v2"]  # older adapter files removed
+    (own,) = os.listdir(tmp_path)  # the engine's own directory inside lora_dir
+    assert os.listdir(tmp_path / own) == ["rl2-lora-v2"]  # older adapter files removed
     with pytest.raises(RuntimeError, match="load_lora_adapter failed"):
         engine.update_adapter(iter(lora_tensors(3)), {**LORA_CONFIG, "r": 8})  # beyond max_lora_rank
     with pytest.raises(RuntimeError, match="without LoRA"):
         new_engine().update_adapter(iter(lora_tensors(0)), LORA_CONFIG)
+    engine.shutdown()
+    assert os.listdir(tmp_path) == []
     engine.loop.close()
 
 

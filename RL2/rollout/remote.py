@@ -102,7 +102,7 @@ class RemotePool(Engine):
             self.servers.append(_Server(i, client))
         self.next_version: str | None = None  # label of the next sync (the trainer's step)
         self.lora_dir, self._lora = lora_dir, None
-        self._lora_root: tuple[str, bool] | None = None  # (dir, ours to delete), on the first adapter
+        self._lora_root: str | None = None  # this pool's adapter directory, made on the first adapter
         self._syncs = 0
         self.counts = {"servers_lost": 0, "requests_retried": 0}
         self._monitor = None
@@ -240,7 +240,7 @@ class RemotePool(Engine):
         self._syncs += 1
         version = self.next_version if self.next_version is not None else str(self._syncs)
         name = f"rl2-lora-v{self._syncs}"
-        lora = (name, self._syncs, os.path.join(self._lora_root[0], name))
+        lora = (name, self._syncs, os.path.join(self._lora_root, name))
         write_adapter(lora[2], named_tensors, config)
         previous = self._lora
         coro = self._each(lambda s: s.client._load_adapter(lora, previous, version))
@@ -270,8 +270,8 @@ class RemotePool(Engine):
                 loop.run_until_complete(asyncio.wait({self._monitor}))
         if not self.loop.is_closed():
             self.loop.close()
-        if self._lora_root is not None and self._lora_root[1]:
-            shutil.rmtree(self._lora_root[0], ignore_errors=True)
+        if self._lora_root is not None:
+            shutil.rmtree(self._lora_root, ignore_errors=True)
 
 
 def transfer_backend(r, device: str) -> str:

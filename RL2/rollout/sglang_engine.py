@@ -221,11 +221,11 @@ class SGLangEngine(Engine):
         import sglang
 
         self.bucket_bytes, self.group = bucket_bytes, group
-        self.lora_dir, self._own_lora_dir, self._lora, self._lora_syncs = None, False, None, 0
+        self.lora_dir, self._lora, self._lora_syncs = None, None, 0
         if lora_rank:
             server_args.update(enable_lora=True, max_lora_rank=int(lora_rank),
                                lora_target_modules=list(lora_target_modules))
-            self.lora_dir, self._own_lora_dir = adapter_root(lora_dir)
+            self.lora_dir = adapter_root(lora_dir)
         self.dtype = engine_dtype(model_path, server_args.get("dtype", "auto"))
         with torchrun_env_scrubbed():
             self.engine = sglang.Engine(
@@ -303,7 +303,7 @@ class SGLangEngine(Engine):
 
     def shutdown(self) -> None:
         self.engine.shutdown()
-        if self._own_lora_dir:
+        if self.lora_dir is not None:
             shutil.rmtree(self.lora_dir, ignore_errors=True)
 
 

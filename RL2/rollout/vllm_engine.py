@@ -202,9 +202,8 @@ class VLLMEngine(_VLLMBase):
         args = engine_args(model_path, cuda=cuda, dtype=dtype, max_model_len=max_model_len,
                            tp_size=tp_size, seed=seed, kv_cache_mb=kv_cache_mb,
                            device_ids=device_ids, lora_rank=lora_rank, **extra)
-        self._own_lora_dir = False
         if lora_rank:
-            self.lora_dir, self._own_lora_dir = adapter_root(lora_dir)
+            self.lora_dir = adapter_root(lora_dir)
 
         async def build():  # inside the loop: AsyncLLM binds its output handler to it
             return AsyncLLM.from_engine_args(AsyncEngineArgs(**args))
@@ -266,7 +265,7 @@ class VLLMEngine(_VLLMBase):
             self.llm.shutdown()
             self.llm = None  # collected now, not during interpreter exit
         self._sender = None
-        if self._own_lora_dir:
+        if self.lora_dir is not None:
             shutil.rmtree(self.lora_dir, ignore_errors=True)
         self._close_loop()
 
@@ -294,9 +293,8 @@ class VLLMServerEngine(_VLLMBase):
         self._setup(tokenizer, max_model_len, dtype, bucket_mb, timeout_s)
         self.url, self.transfer_host = url.rstrip("/"), transfer_host
         self.transfer_backend = transfer_backend
-        self._own_lora_dir = False
         if lora_rank:
-            self.lora_dir, self._own_lora_dir = adapter_root(lora_dir)
+            self.lora_dir = adapter_root(lora_dir)
         # blocking HTTP calls run here: the default executor has only cores + 4 threads
         self._pool = concurrent.futures.ThreadPoolExecutor(64, thread_name_prefix="rl2-vllm-http")
         deadline = time.monotonic() + connect_timeout_s
@@ -381,6 +379,6 @@ class VLLMServerEngine(_VLLMBase):
                 logger.warning("%s", e)
         self._sender = None
         self._pool.shutdown(wait=False, cancel_futures=True)
-        if self._own_lora_dir:
+        if self.lora_dir is not None:
             shutil.rmtree(self.lora_dir, ignore_errors=True)
         self._close_loop()

@@ -194,10 +194,10 @@ def write_adapter(out_dir: str, named_tensors, config: dict) -> int:
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
-def adapter_root(lora_dir: str | None) -> tuple[str, bool]:
-    """(directory for the synced adapters, whether it is ours to delete): `lora_dir`, or a new
-    temporary one (in /dev/shm when there is one: the engine reads it back at once)."""
+def adapter_root(lora_dir: str | None) -> str:
+    """A new directory of this engine's own for its synced adapters (the engine deletes it at
+    shutdown): inside `lora_dir`, so engines and runs sharing one never collide, or by default
+    a temporary one (in /dev/shm when there is one: the engine reads it back at once)."""
     if lora_dir:
         os.makedirs(lora_dir, exist_ok=True)
-        return lora_dir, False
-    return tempfile.mkdtemp(prefix="rl2-lora-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None), True
+    return tempfile.mkdtemp(prefix="rl2-lora-", dir=lora_dir or ("/dev/shm" if os.path.isdir("/dev/shm") else None))

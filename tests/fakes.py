@@ -64,6 +64,9 @@ class ScriptedEngine(Engine):
 #   adapter of a rank or modules beyond `max_lora_rank` / `lora_target_modules` does not fit the
 #   memory pool; unloading or generating with a name that is not loaded fails (lora_registry.py).
 #   Failures return LoRAUpdateOutput(success=False, error_message); generate raises ValueError.
+# - Releasing "weights" frees the parameters without a copy (scheduler_components/
+#   weight_updater.py keeps only buffers) unless `enable_weights_cpu_backup` (the weights region
+#   is then backed up, load_model_utils.py): generating before the next full push is garbage.
 # ---------------------------------------------------------------------------------------------
 import json
 import os
@@ -109,11 +112,14 @@ class FakeSGLang:
         self.in_flight = 0
         self.fail_update = None  # a message: the next update returns (False, message)
         self.loras: dict[str, dict] = {}  # name -> adapter tensors (the LoRA registry)
+        self.weights_lost = False  # released without enable_weights_cpu_backup, not pushed since
 
     async def async_generate(self, input_ids=None, sampling_params=None, return_logprob=False,
                              lora_path=None):
         if self.paused & {"weights", "kv_cache"}:
             raise RuntimeError(f"generate with released memory {sorted(self.paused)}")
+        if self.weights_lost:
+            raise RuntimeError("generate from weights released without a CPU backup and never pushed again")
         if lora_path is not None and lora_path not in self.loras:  # lora_registry.py acquire()
             raise ValueError(f"The following requested LoRA adapters are not loaded: {lora_path}")
         self.calls.append(("generate", input_ids, dict(sampling_params), return_logprob))
@@ -162,6 +168,7 @@ class FakeSGLang:
             message, self.fail_update = self.fail_update, None
             return False, message
         self.weights.update((n, t.clone()) for n, t in named)
+        self.weights_lost = False  # (RL2 always pushes every weight)
         if flush_cache and self.in_flight:
             return False, "Weights were updated, but the cache was not flushed"
         return True, "Success"
@@ -175,6 +182,8 @@ class FakeSGLang:
             if tag in self.paused:
                 raise RuntimeError("[torch_memory_saver.cpp] Cannot pause allocation that is not active.")
             self.paused.add(tag)
+        if "weights" in tags and not self.server_args.get("enable_weights_cpu_backup"):
+            self.weights_lost = True
 
     def resume_memory_occupation(self, tags=None):
         tags = list(tags) if tags else list(SGLANG_TAGS)

@@ -230,9 +230,10 @@ def test_tensor_parallel_is_refused_at_start_up(assets, tmp_path):
 
 
 def test_lora_sync_mode_and_its_start_up_checks():
-    """auto: adapters for a colocated vLLM (in process or server url) or SGLang engine, merged weights otherwise (the
-    torch engine, and engine servers, which may be RL2 torch-engine servers); asking adapters of
-    an engine that cannot load them stops the run at start-up, naming the key."""
+    """auto: adapters for an in-process vLLM or SGLang engine, merged weights otherwise (the
+    torch engine; servers, which need LoRA flags or are RL2 torch-engine servers); asking
+    adapters of an engine that cannot load them, or of remote servers without a shared
+    lora_dir, stops the run at start-up, naming the key."""
     from omegaconf import OmegaConf
 
     from RL2.rollout.rollout import check_lora_sync, lora_sync_mode
@@ -241,6 +242,8 @@ def test_lora_sync_mode_and_its_start_up_checks():
         return OmegaConf.create({"lora_sync": "auto", "placement": "colocated", "engine": "torch", **kw})
 
     assert lora_sync_mode(cfg(), "vllm") == lora_sync_mode(cfg(), "sglang") == "adapter"
+    # a `vllm serve` needs LoRA flags at start-up: adapters only when asked
+    assert lora_sync_mode(cfg(vllm={"server_url": "http://h:1"}), "vllm") == "merged"
     assert lora_sync_mode(cfg(), "torch") == lora_sync_mode(cfg(placement="disaggregated"), "vllm") == "merged"
     assert lora_sync_mode(cfg(lora_sync="adapter", placement="disaggregated"), "vllm") == "adapter"
     assert check_lora_sync(cfg(lora_sync="adapter"), 0, "cpu") == []  # LoRA off: nothing to sync
@@ -248,6 +251,10 @@ def test_lora_sync_mode_and_its_start_up_checks():
     assert "actor.rollout.lora_sync=adapter needs an engine that loads LoRA adapters" in problem
     assert check_lora_sync(cfg(lora_sync="adapter", engine="vllm"), 4, "cpu") == []
     assert "use one of" in check_lora_sync(cfg(lora_sync="both"), 4, "cpu")[0]
+    remote = cfg(lora_sync="adapter", placement="disaggregated", servers=["10.0.0.7:8000"], lora_dir=None)
+    assert "needs actor.rollout.lora_dir" in check_lora_sync(remote, 4, "cpu")[0]
+    assert check_lora_sync(cfg(lora_sync="adapter", placement="disaggregated", servers=["127.0.0.1:8000"],
+                               lora_dir=None), 4, "cpu") == []
 
 
 # ----- parallel == serial (the layout grid of tests/run_utils.py, tp excluded) -----

@@ -95,6 +95,7 @@ def test_adapter_maps_requests_and_outputs(fake_sglang):
     with pytest.raises(RuntimeError, match="released"):
         engine.loop.run_until_complete(engine.generate([1, 2, 3], params))
     engine.resume_memory()
+    fake.weights_lost = False  # as after a sync's full push (tested below)
     fake.calls.clear()
     outs = engine.loop.run_until_complete(engine.generate([1, 2, 3], params))
     assert [(o.token_ids, o.logprobs, o.finish_reason) for o in outs] == [
@@ -135,6 +136,10 @@ def test_fake_enforces_sglang_lora_rules(tmp_path):
     assert not fake.unload_lora_adapter(lora_name="b").success
     with pytest.raises(ValueError, match="not loaded"):
         fake.loop.run_until_complete(fake.async_generate([1], {}, True, lora_path="b"))
+    fake.release_memory_occupation()  # no CPU backup: the base is gone until a full push
+    fake.resume_memory_occupation()
+    with pytest.raises(RuntimeError, match="CPU backup"):
+        fake.loop.run_until_complete(fake.async_generate([1], {}, True, lora_path="a"))
     fake.loop.close()
     plain.loop.close()
 
@@ -147,17 +152,20 @@ def test_adapter_sync_loads_each_adapter_under_a_new_name(fake_sglang, tmp_path)
     fake = engine.engine
     assert (fake.server_args["enable_lora"], fake.server_args["max_lora_rank"],
             fake.server_args["lora_target_modules"]) == (True, 4, ["q_proj", "v_proj"])
-    engine.resume_memory()
+    assert fake.server_args["enable_weights_cpu_backup"]  # the base survives every release
+    (own,) = os.listdir(tmp_path)  # the engine's own directory inside lora_dir
     for version in (1, 2):
+        engine.release_memory()  # training
+        engine.resume_memory(["weights"])
         tensors = lora_tensors(version)
         engine.update_adapter(iter(tensors), LORA_CONFIG)
-        name = f"rl2-lora-v{version}"
+        engine.resume_memory()
+        name = f"{own}-v{version}"  # unique per engine: a server may hold another run's adapters
         assert list(fake.loras) == [name]  # the previous adapter is unloaded
         assert all(torch.equal(fake.loras[name][n], t) for n, t in tensors)
         engine.loop.run_until_complete(engine.generate([1, 2], SamplingParams(max_new_tokens=2)))
         assert fake.calls[-1][-1] == name  # the request's lora_path
-    (own,) = os.listdir(tmp_path)  # the engine's own directory inside lora_dir
-    assert os.listdir(tmp_path / own) == ["rl2-lora-v2"]  # older adapter files removed
+    assert os.listdir(tmp_path / own) == [f"{own}-v2"]  # older adapter files removed
     with pytest.raises(RuntimeError, match="load_lora_adapter failed"):
         engine.update_adapter(iter(lora_tensors(3)), {**LORA_CONFIG, "r": 8})  # beyond max_lora_rank
     with pytest.raises(RuntimeError, match="without LoRA"):

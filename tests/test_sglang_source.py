@@ -142,7 +142,13 @@ def test_lora_adapter_loading_rules(src):
         for node in ast.walk(tree(path)):
             if isinstance(node, ast.ClassDef):
                 declared |= fields(node)
-    assert {"enable_lora", "max_lora_rank", "lora_target_modules"} <= declared
+    assert {"enable_lora", "max_lora_rank", "lora_target_modules", "enable_weights_cpu_backup"} <= declared
+    # releasing "weights" keeps only the buffers; the parameters survive only with the CPU backup
+    updater = src / "srt/managers/scheduler_components/weight_updater.py"
+    release = source_of(updater, find(tree(updater), "release_memory_occupation"))
+    assert "stashed_model_static_state = _export_static_state(" in release
+    loading = (src / "srt/model_executor/model_runner_components/load_model_utils.py").read_text()
+    assert "GPU_MEMORY_TYPE_WEIGHTS,\n        enable_cpu_backup=enable_cpu_backup," in loading
     hook = (src / "srt/arg_groups/lora_hook.py").read_text()
     assert "you need to specify both --max-lora-rank and --lora-target-modules" in hook
     out = find(tree(src / "srt/managers/io_struct.py"), "LoRAUpdateOutput", ast.ClassDef)

@@ -239,7 +239,7 @@ class RemotePool(Engine):
             self._lora_root = adapter_root(self.lora_dir)
         self._syncs += 1
         version = self.next_version if self.next_version is not None else str(self._syncs)
-        name = f"rl2-lora-v{self._syncs}"
+        name = f"{os.path.basename(self._lora_root)}-v{self._syncs}"  # unique across pools and runs
         lora = (name, self._syncs, os.path.join(self._lora_root, name))
         write_adapter(lora[2], named_tensors, config)
         previous = self._lora
@@ -262,6 +262,7 @@ class RemotePool(Engine):
         for s in self.servers:
             if s.error is not None:
                 s.client._sender = None  # no goodbye to a dead server
+                s.client._lora = None
             s.client.shutdown()
         if self._monitor is not None:
             self._monitor.cancel()

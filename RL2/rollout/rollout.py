@@ -6,6 +6,7 @@ import asyncio
 import json
 import logging
 import os
+import urllib.parse
 from collections import defaultdict
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -47,21 +48,28 @@ ADAPTER_ENGINES = ("vllm", "sglang")  # engines that load LoRA adapters
 
 def lora_sync_mode(cfg, kind: str) -> str:
     """`actor.rollout.lora_sync` (cfg) resolved for the backend `kind`: adapter (the engine loads
-    the LoRA adapter; auto picks it for colocated vLLM, in process or `vllm.server_url`, and SGLang) or merged
-    (full weights W + scale * B @ A). Engine servers (disaggregated) take adapters only when
-    asked: an RL2 torch-engine server cannot load them."""
+    the LoRA adapter; auto picks it for in-process vLLM and SGLang engines) or merged (full
+    weights W + scale * B @ A). Servers (`vllm.server_url`, disaggregated) take adapters only
+    when asked: they need LoRA flags at start-up, and an RL2 torch-engine server cannot."""
     mode = cfg.get("lora_sync", "auto")
     if mode != "auto":
         return mode
-    colocated = cfg.get("placement", "colocated") == "colocated"
-    return "adapter" if kind in ADAPTER_ENGINES and colocated else "merged"
+    in_process = cfg.get("placement", "colocated") == "colocated" and not (
+        kind == "vllm" and cfg.get("vllm", {}).get("server_url"))
+    return "adapter" if kind in ADAPTER_ENGINES and in_process else "merged"
 
 
 def check_lora_sync(cfg, lora_rank: int, device: str) -> list[str]:
     """Problems of `actor.rollout.lora_sync` (cfg) for an actor with LoRA rank `lora_rank`."""
     if cfg.lora_sync not in LORA_SYNC:
         return [f"actor.rollout.lora_sync={cfg.lora_sync!r}: use one of {LORA_SYNC}"]
-    if lora_rank <= 0 or cfg.lora_sync != "adapter" or cfg.placement == "disaggregated":
+    if lora_rank <= 0 or cfg.lora_sync != "adapter":
+        return []
+    if cfg.placement == "disaggregated":
+        hosts = {urllib.parse.urlsplit(a if "//" in a else f"//{a}").hostname for a in map(str, cfg.servers)}
+        if cfg.get("lora_dir") is None and hosts - {"127.0.0.1", "localhost", "::1"}:
+            return ["actor.rollout.lora_sync=adapter with servers on other hosts needs "
+                    "actor.rollout.lora_dir: a path the servers read at the same place (shared filesystem)"]
         return []
     kind = resolve_engine_kind(cfg.engine, device)
     if kind in ADAPTER_ENGINES:
@@ -169,7 +177,7 @@ class Rollout:
 
     def _sync_for(self, model, share: bool = True) -> WeightSync:
         ws = self._weight_sync
-        if ws is None or ws.model is not model or ws.share != share:
+        if ws is None or ws.model is not model or ws.requested_share != share:
             self._weight_sync = ws = WeightSync(model, self.cfg.weight_sync, self.cfg.bucket_mb, share=share,
                                                 adapter_only=self.adapter_sync)
         return ws

@@ -21,7 +21,9 @@ to the RL2 `Engine` interface.
   TORCHELASTIC_USE_AGENT_STORE=True, the c10d stores SGLang's subprocesses create all become
   clients of a store nobody serves (torch/distributed/rendezvous.py), and start-up hangs.
 - update_adapter (LoRA, `actor.rollout.lora_sync`): the engine starts with `enable_lora`,
-  `max_lora_rank` and `lora_target_modules` (0.5.23 needs both without initial `lora_paths`); each
+  `max_lora_rank` and `lora_target_modules` (0.5.23 needs both without initial `lora_paths`) and
+  `enable_weights_cpu_backup` (the base is never pushed again, and a release without the backup
+  drops it); each
   sync writes a PEFT directory and `load_lora_adapter`s it under a new name (0.5.23 refuses a
   name that is loaded), requests name it in `lora_path`, and the previous one is unloaded. The
   load/unload calls return `LoRAUpdateOutput(success, error_message)`: a failure raises.
@@ -225,6 +227,9 @@ class SGLangEngine(Engine):
         if lora_rank:
             server_args.update(enable_lora=True, max_lora_rank=int(lora_rank),
                                lora_target_modules=list(lora_target_modules))
+            # adapter syncs never push the base again, but releasing "weights" frees it without a
+            # copy (weight_updater.py release_memory_occupation) unless it is backed up on the CPU
+            server_args.setdefault("enable_weights_cpu_backup", True)
             self.lora_dir = adapter_root(lora_dir)
         self.dtype = engine_dtype(model_path, server_args.get("dtype", "auto"))
         with torchrun_env_scrubbed():
@@ -280,7 +285,7 @@ class SGLangEngine(Engine):
         if self.lora_dir is None:
             raise RuntimeError("this SGLang engine was built without LoRA (lora_rank=0)")
         self._lora_syncs += 1
-        name = f"rl2-lora-v{self._lora_syncs}"
+        name = f"{os.path.basename(self.lora_dir)}-v{self._lora_syncs}"  # unique across engines and runs
         lora = (name, os.path.join(self.lora_dir, name))
         write_adapter(lora[1], named_tensors, config)
         check_lora_result(self.engine.load_lora_adapter(lora_name=name, lora_path=lora[1]), "load_lora_adapter")

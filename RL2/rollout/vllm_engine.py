@@ -141,7 +141,7 @@ class _VLLMBase(Engine):
         if self.lora_dir is None:
             raise RuntimeError("this vLLM engine was built without LoRA (lora_rank=0)")
         self.version += 1
-        name = f"rl2-lora-v{self.version}"
+        name = f"{os.path.basename(self.lora_dir)}-v{self.version}"  # unique across engines and runs
         lora = (name, self.version, os.path.join(self.lora_dir, name))  # id: unique per load
         write_adapter(lora[2], named_tensors, config)
         previous = self._lora
@@ -358,6 +358,15 @@ class VLLMServerEngine(_VLLMBase):
             await asyncio.to_thread(call, "/v1/unload_lora_adapter", {"lora_name": previous[0]})
         await asyncio.to_thread(self._http, "POST", "/update_weight_version", {"new_version": version})
 
+    def unload_adapter(self) -> None:
+        """Unload the served adapter (the server may outlive this run; best effort)."""
+        if self._lora is not None:
+            try:
+                self._http("POST", "/v1/unload_lora_adapter", {"lora_name": self._lora[0]}, timeout=10, text=True)
+            except RuntimeError as e:
+                logger.warning("%s", e)
+            self._lora = None
+
     def _new_sender(self) -> GlooSender | NcclSender:
         cls = NcclSender if self.transfer_backend == "nccl" else GlooSender
         return cls(n_workers=self.n_workers, timeout_s=self.timeout_s, host=self.transfer_host)
@@ -378,6 +387,7 @@ class VLLMServerEngine(_VLLMBase):
             except RuntimeError as e:
                 logger.warning("%s", e)
         self._sender = None
+        self.unload_adapter()
         self._pool.shutdown(wait=False, cancel_futures=True)
         if self.lora_dir is not None:
             shutil.rmtree(self.lora_dir, ignore_errors=True)

@@ -81,6 +81,7 @@ class WeightSync:
         if transport not in TRANSPORTS:
             raise ValueError(f"weight sync transport must be one of {TRANSPORTS}, got {transport!r}")
         self.model, self.dtype, self.share = model, dtype, share
+        self.requested_share = share  # (`share` is turned off below where it cannot apply)
         from RL2.workers.lora import adapter_config, is_adapter, scalings
 
         # LoRA: the engine gets merged HF weights (W + scale * B @ A), streamed and copied (an

@@ -198,6 +198,7 @@ def adapter_root(lora_dir: str | None) -> str:
     """A new directory of this engine's own for its synced adapters (the engine deletes it at
     shutdown): inside `lora_dir`, so engines and runs sharing one never collide, or by default
     a temporary one (in /dev/shm when there is one: the engine reads it back at once)."""
-    if lora_dir:
+    if lora_dir:  # absolute: the engine (maybe a server in another directory) reads the path
+        lora_dir = os.path.abspath(os.path.expanduser(lora_dir))
         os.makedirs(lora_dir, exist_ok=True)
     return tempfile.mkdtemp(prefix="rl2-lora-", dir=lora_dir or ("/dev/shm" if os.path.isdir("/dev/shm") else None))

@@ -75,10 +75,10 @@ def test_vllm_serve_loads_each_adapter_over_http(setup, assets, tmp_path):
             tmp_path / "run", timeout=1500)
         check(tmp_path / "run")
         assert json.load(urlopen(f"{url}/weight_info", timeout=30)) == {"weight_version": str(STEPS)}
-        # one adapter served (the newest; older ones are unloaded), and the run's adapter files
-        # (a directory of its own inside lora_dir) are gone with it
+        # every adapter was unloaded (each older one by the next sync, the last at shutdown: the
+        # server may outlive the run), and the run's adapter directory is gone with it
         served = [m["id"] for m in json.load(urlopen(f"{url}/v1/models", timeout=30))["data"]]
-        assert served[1:] == [f"rl2-lora-v{STEPS + 1}"], served
+        assert len(served) == 1, served
         assert list((tmp_path / "adapters").iterdir()) == []
     finally:
         kill(proc)

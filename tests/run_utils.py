@@ -19,6 +19,18 @@ LENGTH_ENV = '''
 async def step(state, action, extra_info):
     return {"next_state": None, "reward": float(len(action) % 3 == 0), "done": True}
 '''
+# A task an untrained tiny model learns in a few PPO steps (reward 1 when the response's first
+# word has 3 letters; ~10% of random samples do): a reward rise that does not need a warm start.
+FIRST_WORD_ENV = '''
+async def step(state, action, extra_info):
+    words = action.split()
+    return {"next_state": None, "reward": float(bool(words) and len(words[0]) == 3), "done": True}
+'''
+
+
+def min_version(traj: dict) -> int:
+    """The oldest weight version that generated any token of a dumped trajectory."""
+    return min(v for turn in traj["turns"] for v, _ in turn["versions"])
 
 
 def run_trainer(trainer: str, nproc: int, overrides: list[str], run_dir, timeout: float = 600,

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.run_utils import read_metrics, run_trainer
+from tests.run_utils import min_version, read_metrics, run_trainer
 
 pytestmark = pytest.mark.slow
 ANSWER_MATCH = str(Path(__file__).resolve().parents[1] / "envs" / "answer_match.py")
@@ -25,9 +25,6 @@ def dumps(run_dir, steps):
     return {s: [json.loads(line) for line in (root / f"step{s}.jsonl").read_text().splitlines()]
             for s in steps}
 
-
-def min_version(traj):
-    return min(v for turn in traj["turns"] for v, _ in turn["versions"])
 
 
 def test_resume_after_kill_at_k2_trains_every_prompt_once(assets, tmp_path):

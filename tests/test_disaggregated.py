@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from tests.run_utils import cfg_with, read_metrics, run_trainer
+from tests.run_utils import cfg_with, min_version, read_metrics, run_trainer
 from tests.server_utils import kill, start_server
 
 # Two turns, a reward that depends on every generated character (so advantages and losses are
@@ -105,9 +105,6 @@ def test_disaggregated_equals_colocated(assets, env_path, servers, colocated, np
     dumped = [json.loads(line) for line in (tmp_path / "run" / "rollouts" / "step1.jsonl").read_text().splitlines()]
     assert len(dumped) == 16 and all(t["error"] is None for t in dumped)
 
-
-def min_version(traj) -> int:
-    return min(v for turn in traj["turns"] for v, _ in turn["versions"])
 
 
 def test_async_k1_on_servers_equals_colocated_async(assets, env_path, servers, tmp_path):

@@ -20,7 +20,7 @@ import math
 
 import pytest
 
-from tests.run_utils import ANSWER_MATCH, biased_warm_start, read_metrics, run_trainer
+from tests.run_utils import ANSWER_MATCH, FIRST_WORD_ENV, biased_warm_start, read_metrics, run_trainer
 from tests.vllm.conftest import tiny_vllm_model
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -55,13 +55,6 @@ def straight(warm_start, tmp_path_factory):
 
 def train_rows(run_dir) -> dict:
     return {r["step"]: r for r in read_metrics(run_dir) if "rollout/reward" in r}
-
-
-FIRST_WORD_ENV = '''
-async def step(state, action, extra_info):
-    words = action.split()
-    return {"next_state": None, "reward": float(bool(words) and len(words[0]) == 3), "done": True}
-'''
 
 
 def test_reward_rises_with_vllm_as_with_the_torch_engine(assets, tmp_path):

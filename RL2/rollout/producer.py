@@ -151,9 +151,15 @@ class Producer:
         continue or restart per mode), then load the newest weights."""
         if self.newest == self.engine_version:
             return
-        if self.rollout.engine is not None:
-            self.rollout.engine.abort_requests()
-        self._load(self.newest)
+        try:
+            if self.rollout.engine is not None:
+                self.rollout.engine.abort_requests()
+            self._load(self.newest)
+        except BaseException as e:  # a loop callback's exception would only be logged: hand it on
+            logger.exception("in-flight weight update failed")
+            with self.cond:
+                self.error = e
+                self.cond.notify_all()
 
     def _wait_for_work(self) -> int | None:
         with self.cond:

@@ -6,6 +6,11 @@ disaggregated`, `actor.rollout.servers=[host:port, ...]`).
 - generate: each call goes to the live server with the fewest calls in flight (ties: the first
   listed). The per-request seed travels with the request, so a trajectory does not depend on
   which server ran it.
+- in-flight updates (asynchronous rollout, `inflight_update=pause|abort`): `abort_requests`
+  (called on the pool's loop at a step boundary) pauses every server with `/pause?mode=abort`:
+  running requests come back with "abort" and their tokens so far, new ones wait on the server;
+  the weight push that follows runs on a helper thread's loop (this one is inside the callback)
+  and ends with `/resume`.
 - update_adapter (LoRA, `actor.rollout.lora_sync=adapter`): the adapter is written once under
   `actor.rollout.lora_dir` and every server loads it from there (vLLM's LoRA routes).
 - update_weights: one gloo group per server (trainer rank 0 + that server's workers, rl2_gloo
@@ -18,6 +23,7 @@ disaggregated`, `actor.rollout.servers=[host:port, ...]`).
   With none left, the run stops with an error naming every server and its last error.
 """
 import asyncio
+import concurrent.futures
 import importlib.util
 import logging
 import os
@@ -104,7 +110,8 @@ class RemotePool(Engine):
         self.lora_dir, self._lora = lora_dir, None
         self._lora_root: str | None = None  # this pool's adapter directory, made on the first adapter
         self._syncs = 0
-        self.counts = {"servers_lost": 0, "requests_retried": 0}
+        self.counts = {"servers_lost": 0, "requests_retried": 0, "inflight_updates": 0}
+        self._paused = False  # servers paused by abort_requests, resumed after the weight push
         self._monitor = None
 
     # ------------------------------------------------------------------ bookkeeping
@@ -225,11 +232,44 @@ class RemotePool(Engine):
         await self._each(lambda s: s.client._control("finish_weight_update", version))
         self.next_version = None
 
+    def _run(self, coro, timeout: float):
+        """Run a weight-sync coroutine to completion: on the pool's loop, or, when called from
+        inside a running loop (an in-flight update at a rollout step boundary), on a fresh loop
+        in a helper thread while that one waits. Then resume servers paused by `abort_requests`."""
+        async def then_resume():
+            try:
+                return await asyncio.wait_for(coro, timeout)
+            finally:
+                if self._paused:
+                    self._paused = False
+                    await self._each(lambda s: asyncio.to_thread(s.client._http, "POST", "/resume"))
+
+        try:  # the rollout loop (the pool's, or Rollout's own) is running in this thread
+            inside = asyncio.get_running_loop() is not None
+        except RuntimeError:
+            inside = False
+        if not inside:
+            return self.loop.run_until_complete(then_resume())
+        with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rl2-pool-sync") as helper:
+            return helper.submit(asyncio.run, then_resume()).result()
+
+    def abort_requests(self) -> None:
+        """New weights mid-rollout: pause every live server, aborting its running requests
+        (they return "abort" with their tokens so far); the next weight sync resumes them."""
+        for s in self.live():
+            try:
+                s.client._http("POST", "/pause?mode=abort", timeout=self.health_timeout_s)
+            except RuntimeError as e:
+                self._drop(s, f"pause failed: {e}")
+        self._check_any()
+        self._paused = True
+        self.counts["inflight_updates"] += 1
+
     def update_weights(self, named_tensors) -> None:
         """Push full tensors (HF names) to every live server; their weight_version becomes
         `next_version` (set by the caller: the trainer's step), else the number of syncs."""
         start = time.monotonic()
-        self.loop.run_until_complete(asyncio.wait_for(self._update(named_tensors), self.timeout_s * 4))
+        self._run(self._update(named_tensors), self.timeout_s * 4)
         logger.debug("weights pushed to %d server(s) in %.2f s", len(self.live()), time.monotonic() - start)
 
     def update_adapter(self, named_tensors, config: dict) -> None:
@@ -243,8 +283,7 @@ class RemotePool(Engine):
         lora = (name, self._syncs, os.path.join(self._lora_root, name))
         write_adapter(lora[2], named_tensors, config)
         previous = self._lora
-        coro = self._each(lambda s: s.client._load_adapter(lora, previous, version))
-        self.loop.run_until_complete(asyncio.wait_for(coro, self.timeout_s))
+        self._run(self._each(lambda s: s.client._load_adapter(lora, previous, version)), self.timeout_s)
         self._lora, self.next_version = lora, None
         if previous is not None:
             shutil.rmtree(previous[2], ignore_errors=True)
@@ -299,10 +338,6 @@ def check_placement(r, device: str = "cpu") -> list[str]:
     if r.placement == "colocated":
         return []
     problems = []
-    if r.get("max_staleness", 0) and r.get("inflight_update", "none") != "none":
-        # the pool cannot abort a server's running requests (no abort route is used)
-        problems.append(f"actor.rollout.placement=disaggregated with actor.rollout.max_staleness >= 1 "
-                        f"supports actor.rollout.inflight_update=none only, not {r.inflight_update!r}")
     if not r.servers:
         problems.append("actor.rollout.placement=disaggregated needs actor.rollout.servers=[host:port,...]")
     for a in r.servers:

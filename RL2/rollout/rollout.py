@@ -130,10 +130,10 @@ class Rollout:
         self.peer = None  # SGLang: this rank's part in the weight updates of its group's engine
         self._weight_sync = None  # built on the first sync (a collective over the model's ranks)
         kw = engine_kwargs(self.kind, cfg, rank, seed)
-        rank = lora.rank if lora is not None else 0
-        self.adapter_sync = rank > 0 and lora_sync_mode(cfg, self.kind) == "adapter"
+        lora_rank = lora.rank if lora is not None else 0
+        self.adapter_sync = lora_rank > 0 and lora_sync_mode(cfg, self.kind) == "adapter"
         if self.adapter_sync and not self.disaggregated:
-            kw.update(lora_rank=rank, lora_dir=cfg.get("lora_dir"))
+            kw.update(lora_rank=lora_rank, lora_dir=cfg.get("lora_dir"))
             if self.kind == "sglang":
                 kw["lora_target_modules"] = list(lora.target_modules)
         if self.kind == "sglang" and not self.disaggregated:

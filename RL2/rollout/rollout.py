@@ -66,7 +66,9 @@ def check_lora_sync(cfg, lora_rank: int, device: str) -> list[str]:
     if lora_rank <= 0 or cfg.lora_sync != "adapter":
         return []
     if cfg.placement == "disaggregated":
-        hosts = {urllib.parse.urlsplit(a if "//" in a else f"//{a}").hostname for a in map(str, cfg.servers)}
+        from RL2.rollout.remote import normalize
+
+        hosts = {urllib.parse.urlsplit(normalize(str(a))).hostname for a in cfg.servers}
         if cfg.get("lora_dir") is None and hosts - {"127.0.0.1", "localhost", "::1"}:
             return ["actor.rollout.lora_sync=adapter with servers on other hosts needs "
                     "actor.rollout.lora_dir: a path the servers read at the same place (shared filesystem)"]

@@ -26,8 +26,6 @@ import asyncio
 import concurrent.futures
 import importlib.util
 import logging
-import os
-import shutil
 import socket
 import time
 import urllib.parse
@@ -36,7 +34,7 @@ import torch
 
 from RL2.rollout.engine import Engine, GenerationOutput, SamplingParams
 from RL2.rollout.vllm_engine import VLLMServerEngine
-from RL2.workers.lora import adapter_root, write_adapter
+from RL2.workers.lora import AdapterVersions
 from RL2.rollout.vllm_transfer import BACKEND, make_buckets
 
 logger = logging.getLogger(__name__)
@@ -107,8 +105,8 @@ class RemotePool(Engine):
             client._close_loop()  # the pool's loop runs everything
             self.servers.append(_Server(i, client))
         self.next_version: str | None = None  # label of the next sync (the trainer's step)
-        self.lora_dir, self._lora = lora_dir, None
-        self._lora_root: str | None = None  # this pool's adapter directory, made on the first adapter
+        self.lora_dir = lora_dir
+        self.adapters: AdapterVersions | None = None  # made on the first adapter sync
         self._syncs = 0
         self.counts = {"servers_lost": 0, "requests_retried": 0, "inflight_updates": 0}
         self._paused = False  # servers paused by abort_requests, resumed after the weight push
@@ -275,18 +273,16 @@ class RemotePool(Engine):
     def update_adapter(self, named_tensors, config: dict) -> None:
         """LoRA adapter-only sync: the adapter is written once and every live server loads it
         (vLLM's /v1/load_lora_adapter; see VLLMServerEngine); versions as in update_weights."""
-        if self._lora_root is None:
-            self._lora_root = adapter_root(self.lora_dir)
+        if self.adapters is None:
+            self.adapters = AdapterVersions(self.lora_dir)
         self._syncs += 1
         version = self.next_version if self.next_version is not None else str(self._syncs)
-        name = f"{os.path.basename(self._lora_root)}-v{self._syncs}"  # unique across pools and runs
-        lora = (name, self._syncs, os.path.join(self._lora_root, name))
-        write_adapter(lora[2], named_tensors, config)
-        previous = self._lora
-        self._run(self._each(lambda s: s.client._load_adapter(lora, previous, version)), self.timeout_s)
-        self._lora, self.next_version = lora, None
-        if previous is not None:
-            shutil.rmtree(previous[2], ignore_errors=True)
+
+        def load(new, previous):
+            self._run(self._each(lambda s: s.client._load_adapter(new, previous, version)), self.timeout_s)
+
+        self.adapters.sync(named_tensors, config, load)
+        self.next_version = None
 
     def weight_versions(self) -> dict[str, str]:
         return {s.url: s.client.weight_version() for s in self.live()}
@@ -310,8 +306,8 @@ class RemotePool(Engine):
                 loop.run_until_complete(asyncio.wait({self._monitor}))
         if not self.loop.is_closed():
             self.loop.close()
-        if self._lora_root is not None:
-            shutil.rmtree(self._lora_root, ignore_errors=True)
+        if self.adapters is not None:
+            self.adapters.close()
 
 
 def transfer_backend(r, device: str) -> str:

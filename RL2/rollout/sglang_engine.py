@@ -35,7 +35,6 @@ import contextlib
 import inspect
 import logging
 import os
-import shutil
 import socket
 from typing import Iterable, Iterator
 
@@ -44,7 +43,7 @@ import torch.distributed as dist
 
 from RL2.rollout.engine import Engine, GenerationOutput, SamplingParams
 from RL2.utils.seeding import derive_seed
-from RL2.workers.lora import adapter_root, write_adapter
+from RL2.workers.lora import AdapterVersions
 
 logger = logging.getLogger(__name__)
 
@@ -223,14 +222,14 @@ class SGLangEngine(Engine):
         import sglang
 
         self.bucket_bytes, self.group = bucket_bytes, group
-        self.lora_dir, self._lora, self._lora_syncs = None, None, 0
+        self.adapters, self._lora = None, None
         if lora_rank:
             server_args.update(enable_lora=True, max_lora_rank=int(lora_rank),
                                lora_target_modules=list(lora_target_modules))
             # adapter syncs never push the base again, but releasing "weights" frees it without a
             # copy (weight_updater.py release_memory_occupation) unless it is backed up on the CPU
             server_args.setdefault("enable_weights_cpu_backup", True)
-            self.lora_dir = adapter_root(lora_dir)
+            self.adapters = AdapterVersions(lora_dir)
         self.dtype = engine_dtype(model_path, server_args.get("dtype", "auto"))
         with torchrun_env_scrubbed():
             self.engine = sglang.Engine(
@@ -282,17 +281,15 @@ class SGLangEngine(Engine):
         push_buckets(named_tensors, self.bucket_bytes, self.dtype, self.group, self.engine)
 
     def update_adapter(self, named_tensors, config: dict) -> None:
-        if self.lora_dir is None:
+        if self.adapters is None:
             raise RuntimeError("this SGLang engine was built without LoRA (lora_rank=0)")
-        self._lora_syncs += 1
-        name = f"{os.path.basename(self.lora_dir)}-v{self._lora_syncs}"  # unique across engines and runs
-        lora = (name, os.path.join(self.lora_dir, name))
-        write_adapter(lora[1], named_tensors, config)
-        check_lora_result(self.engine.load_lora_adapter(lora_name=name, lora_path=lora[1]), "load_lora_adapter")
-        previous, self._lora = self._lora, lora
+        self._lora = self.adapters.sync(named_tensors, config, self._load_adapter)
+
+    def _load_adapter(self, new: tuple, previous: tuple | None) -> None:
+        check_lora_result(self.engine.load_lora_adapter(lora_name=new[0], lora_path=new[2]), "load_lora_adapter")
+        self._lora = new  # requests use it from now on, even if the unload below fails
         if previous is not None:
             check_lora_result(self.engine.unload_lora_adapter(lora_name=previous[0]), "unload_lora_adapter")
-            shutil.rmtree(previous[1], ignore_errors=True)
 
     def release_memory(self, tags: list[str] | None = None) -> None:
         todo = [t for t in _tags(tags) if t not in self.released]
@@ -308,8 +305,8 @@ class SGLangEngine(Engine):
 
     def shutdown(self) -> None:
         self.engine.shutdown()
-        if self.lora_dir is not None:
-            shutil.rmtree(self.lora_dir, ignore_errors=True)
+        if self.adapters is not None:
+            self.adapters.close()
 
 
 def _tags(tags) -> list[str]:

@@ -22,8 +22,6 @@ import concurrent.futures
 import http.client
 import json
 import logging
-import os
-import shutil
 import time
 import urllib.error
 import urllib.request
@@ -35,7 +33,7 @@ import torch
 from RL2.rollout.engine import Engine, GenerationOutput, SamplingParams, check_prompt, close_loop
 from RL2.rollout.vllm_transfer import BACKEND, GlooSender, NcclSender, make_buckets
 from RL2.utils.seeding import derive_seed
-from RL2.workers.lora import adapter_root, write_adapter
+from RL2.workers.lora import AdapterVersions
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +69,7 @@ class _VLLMBase(Engine):
         self._sender = None
         self._released = False
         self.ignore_eos = False
-        self.lora_dir = None  # set by the subclass when it serves LoRA adapters
+        self.adapters: AdapterVersions | None = None  # set by the subclass when it serves LoRA
         self._lora = None  # (name, id, path) of the adapter every request uses; None = the base
         self.loop = asyncio.new_event_loop()  # rollouts and control calls run on this loop
 
@@ -138,17 +136,12 @@ class _VLLMBase(Engine):
         name and path, so nothing computed with the previous adapter is reused); requests use
         it from then on and the previous one is unloaded. The weight version is set as in
         `update_weights`."""
-        if self.lora_dir is None:
+        if self.adapters is None:
             raise RuntimeError("this vLLM engine was built without LoRA (lora_rank=0)")
         self.version += 1
-        name = f"{os.path.basename(self.lora_dir)}-v{self.version}"  # unique across engines and runs
-        lora = (name, self.version, os.path.join(self.lora_dir, name))  # id: unique per load
-        write_adapter(lora[2], named_tensors, config)
-        previous = self._lora
-        self._run(self._load_adapter(lora, previous, str(self.version)))
-        self._lora = lora
-        if previous is not None:
-            shutil.rmtree(previous[2], ignore_errors=True)
+        version = str(self.version)
+        self._lora = self.adapters.sync(named_tensors, config,
+                                        lambda new, old: self._run(self._load_adapter(new, old, version)))
 
 
 def engine_args(model_path: str, *, cuda: bool, dtype: str, max_model_len: int, tp_size: int,
@@ -203,7 +196,7 @@ class VLLMEngine(_VLLMBase):
                            tp_size=tp_size, seed=seed, kv_cache_mb=kv_cache_mb,
                            device_ids=device_ids, lora_rank=lora_rank, **extra)
         if lora_rank:
-            self.lora_dir = adapter_root(lora_dir)
+            self.adapters = AdapterVersions(lora_dir)
 
         async def build():  # inside the loop: AsyncLLM binds its output handler to it
             return AsyncLLM.from_engine_args(AsyncEngineArgs(**args))
@@ -265,8 +258,8 @@ class VLLMEngine(_VLLMBase):
             self.llm.shutdown()
             self.llm = None  # collected now, not during interpreter exit
         self._sender = None
-        if self.lora_dir is not None:
-            shutil.rmtree(self.lora_dir, ignore_errors=True)
+        if self.adapters is not None:
+            self.adapters.close()
         self._close_loop()
 
 
@@ -294,7 +287,7 @@ class VLLMServerEngine(_VLLMBase):
         self.url, self.transfer_host = url.rstrip("/"), transfer_host
         self.transfer_backend = transfer_backend
         if lora_rank:
-            self.lora_dir = adapter_root(lora_dir)
+            self.adapters = AdapterVersions(lora_dir)
         # blocking HTTP calls run here: the default executor has only cores + 4 threads
         self._pool = concurrent.futures.ThreadPoolExecutor(64, thread_name_prefix="rl2-vllm-http")
         deadline = time.monotonic() + connect_timeout_s
@@ -389,6 +382,6 @@ class VLLMServerEngine(_VLLMBase):
         self._sender = None
         self.unload_adapter()
         self._pool.shutdown(wait=False, cancel_futures=True)
-        if self.lora_dir is not None:
-            shutil.rmtree(self.lora_dir, ignore_errors=True)
+        if self.adapters is not None:
+            self.adapters.close()
         self._close_loop()

@@ -13,6 +13,7 @@ import contextlib
 import importlib.util
 import json
 import os
+import shutil
 import tempfile
 from typing import Iterable, Iterator
 
@@ -202,3 +203,32 @@ def adapter_root(lora_dir: str | None) -> str:
         lora_dir = os.path.abspath(os.path.expanduser(lora_dir))
         os.makedirs(lora_dir, exist_ok=True)
     return tempfile.mkdtemp(prefix="rl2-lora-", dir=lora_dir or ("/dev/shm" if os.path.isdir("/dev/shm") else None))
+
+
+class AdapterVersions:
+    """The synced adapters of one engine or server pool, in a directory of its own
+    (`adapter_root`). Each sync writes a PEFT directory under a new name "<root>-v<n>" (vLLM and
+    SGLang key cached adapters and prefix blocks by name, and SGLang refuses a loaded name);
+    once the engine has loaded it, the previous one's files are deleted."""
+
+    def __init__(self, lora_dir: str | None):
+        self.root = adapter_root(lora_dir)
+        self.count = 0
+        self.current: tuple[str, int, str] | None = None  # (name, id, path) loaded last
+
+    def sync(self, named_tensors, config: dict, load) -> tuple[str, int, str]:
+        """Write the adapter, `load(new, previous)` it (the engine's own calls; previous: the
+        one to unload, or None), then delete the previous files. Returns the new one."""
+        self.count += 1
+        name = f"{os.path.basename(self.root)}-v{self.count}"  # unique across engines and runs
+        new = (name, self.count, os.path.join(self.root, name))  # id: vLLM's cache key, > 0
+        write_adapter(new[2], named_tensors, config)
+        previous = self.current
+        load(new, previous)
+        self.current = new
+        if previous is not None:
+            shutil.rmtree(previous[2], ignore_errors=True)
+        return new
+
+    def close(self) -> None:
+        shutil.rmtree(self.root, ignore_errors=True)

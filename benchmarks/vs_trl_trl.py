@@ -22,7 +22,10 @@ def _common(args, **extra) -> dict:
                 use_cpu=True, save_strategy="no", logging_steps=10 ** 6, disable_tqdm=True,
                 max_steps=args.steps, learning_rate=1e-5, lr_scheduler_type="constant",
                 warmup_steps=0, max_grad_norm=1.0, gradient_accumulation_steps=1, seed=0,
-                dataloader_num_workers=0, dataloader_drop_last=True, **extra)
+                dataloader_num_workers=0, dataloader_drop_last=True,
+                # TRL's configs default to bf16=True, which on CPU runs every matmul under bf16
+                # autocast (AVX512-BF16 here): the comparison is fp32 on both sides
+                bf16=False, fp16=False, **extra)
 
 
 def _timer():

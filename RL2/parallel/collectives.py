@@ -44,6 +44,21 @@ def all_reduce_floats(values: list[float], op=dist.ReduceOp.SUM, group=None) -> 
     return t.tolist()
 
 
+def gather_objects(obj, group=None) -> list:
+    """`dist.all_gather_object` (every rank's `obj`, in rank order), without a collective on a
+    one-rank group. Why skip it: a gloo collective on a tensor of more than 32K elements copies
+    it on gloo's worker thread with OpenMP, which creates a second OpenMP team; libgomp then
+    has more threads than cores and cuts its spin-wait for the rest of the process, so every
+    later multi-threaded op waits on a futex (the engine's decode measured 20-25% slower with
+    2 threads, benchmarks/README.md)."""
+    world = dist.get_world_size(group)
+    if world == 1:
+        return [obj]
+    out = [None] * world
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
 def segment_sum(x: Tensor, cu_seqlens: Tensor, dtype: torch.dtype | None = None) -> Tensor:
     """Per-sequence sums of a packed 1-D tensor: out[j] = x[cu[j]:cu[j+1]].sum() (differentiable).
 

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from RL2.algorithms.metrics import pass_at_k
+from RL2.parallel.collectives import gather_objects
 from RL2.rollout.engine import SamplingParams, close_loop, make_engine, resolve_engine_kind
 from RL2.utils.seeding import derive_seed
 from RL2.rollout.trajectory import Requeue, run_trajectory
@@ -233,10 +234,8 @@ class Rollout:
                 return await asyncio.gather(*self._trajectory_jobs(prompts, params_cfg, n, tag, mine))
 
             local = list(zip(mine, self.loop.run_until_complete(run_all())))
-        gathered = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, local, group=self.cpu_group)
         by_job = {}
-        for part in gathered:
+        for part in gather_objects(local, self.cpu_group):
             for job, traj in part or []:
                 by_job[job] = traj
         return [[by_job[(p, j)] for j in range(n)] for p in range(len(prompts))]

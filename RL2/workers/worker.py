@@ -10,6 +10,7 @@ from omegaconf import DictConfig
 from RL2.algorithms.losses import upcast
 from RL2.data.packing import MicroBatch, pack, plan_micro_batches, token_capacity, unpack
 from RL2.parallel.attention import PackedContext, packed_kwargs
+from RL2.parallel.collectives import gather_objects
 from RL2.parallel.fsdp import parallelize
 from RL2.parallel.mesh import ParallelDims
 from RL2.utils.config import resolve_dtype
@@ -131,10 +132,8 @@ class Worker:
                 local[i] = upcast(t.detach()).cpu()
         if was_training:
             self.model.train()
-        gathered = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, local)
         merged = {}
-        for part in gathered:
+        for part in gather_objects(local):
             merged.update(part)
         return [merged[i] for i in range(len(samples))]
 

@@ -33,8 +33,10 @@ WORKLOADS = ("sft", "dpo", "grpo")
 
 
 def layouts(threads: int) -> list[tuple[str, int, int]]:
-    """(column, processes, threads per process) of RL2's runs; TRL uses one process x threads."""
-    return [(f"RL2 1x{threads}", 1, threads), ("RL2 2x1", 2, 1)]
+    """(column, processes, threads per process) of RL2's runs; TRL uses one process x threads.
+    "2x1 ddp": the two ranks hold replicas (actor.ddp_size=2): one gradient all-reduce per step
+    instead of FSDP's parameter all-gathers and gradient reduce-scatters."""
+    return [(f"RL2 1x{threads}", 1, threads), ("RL2 2x1", 2, 1), ("RL2 2x1 ddp", 2, 1)]
 
 
 def trl_available() -> bool:
@@ -72,16 +74,18 @@ def run_trl(workload: str, root: str, args) -> list[dict]:
     out = os.path.join(root, f"trl_{workload}.json")
     _run([sys.executable, os.path.join(HERE, "vs_trl_trl.py"), "--workload", workload,
           "--assets", root, "--steps", str(args.repeats + 1), "--threads", str(args.threads),
-          "--new-tokens", str(args.new_tokens), "--out", out], args.threads, args.timeout, root)
+          "--new-tokens", str(args.new_tokens), "--dtype", args.dtype, "--out", out],
+         args.threads, args.timeout, root)
     return _load(out)
 
 
-def run_rl2(workload: str, root: str, nproc: int, threads: int, args) -> list[dict]:
-    out = os.path.join(root, f"rl2_{workload}_{nproc}.json")
+def run_rl2(workload: str, root: str, nproc: int, threads: int, args, ddp: bool = False) -> list[dict]:
+    out = os.path.join(root, f"rl2_{workload}_{nproc}{'_ddp' if ddp else ''}.json")
     _run(_torchrun(nproc) + [os.path.join(HERE, "vs_trl_rl2.py"), "--workload", workload,
                              "--assets", root, "--steps", str(args.repeats + 1),
                              "--threads", str(threads), "--new-tokens", str(args.new_tokens),
-                             "--out", out], threads, args.timeout, root)
+                             "--dtype", args.dtype, "--out", out]
+         + (["--override", f"actor.ddp_size={nproc}"] if ddp else []), threads, args.timeout, root)
     return _load(out)
 
 
@@ -143,6 +147,7 @@ def ratio_table(results: dict, peaks: dict, columns: list[str]) -> str:
 def run(args) -> str:
     import torch
 
+    dtype = getattr(torch, args.dtype)
     from benchmarks.vs_trl_data import FULL_MODEL, QUICK_MODEL, build_assets
 
     with_trl = trl_available() and not args.no_trl
@@ -163,22 +168,22 @@ def run(args) -> str:
         for workload in args.only:
             for t in peaks:  # measured before every workload: follows the machine's load
                 torch.set_num_threads(t)
-                peaks[t].append(matmul_peak("cpu", torch.float32, repeats=3))
+                peaks[t].append(matmul_peak("cpu", dtype, repeats=3))
             torch.set_num_threads(1)
-            cpu_peaks.append(matmul_peak("cpu", torch.float32, repeats=3, clock=time.process_time))
+            cpu_peaks.append(matmul_peak("cpu", dtype, repeats=3, clock=time.process_time))
             raw[workload] = {}
             if with_trl:
                 raw[workload]["TRL"] = run_trl(workload, root, args)
             for name, nproc, threads in layouts(args.threads):
-                raw[workload][name] = run_rl2(workload, root, nproc, threads, args)
+                raw[workload][name] = run_rl2(workload, root, nproc, threads, args, ddp=name.endswith("ddp"))
         elapsed = time.perf_counter() - start
     peak = {t: median(v) for t, v in peaks.items()}
     # A column's peak: the matmul rate of the cores it uses (2 x 1 = two one-thread processes).
     col_peak = {c: peak[args.threads] for c in columns}
-    col_peak["RL2 2x1"] = 2 * peak[1]
+    col_peak["RL2 2x1"] = col_peak["RL2 2x1 ddp"] = 2 * peak[1]
     results = {w: {c: summarize(w, st, n_params) for c, st in r.items()} for w, r in raw.items()}
     head = (f"### RL2 vs TRL ({machine_description('cpu', args.threads)}; model {n_params / 1e6:.1f}M "
-            f"params; fp32; matmul peak {peak[1] / 1e9:.0f} GFLOP/s with 1 thread, "
+            f"params; {args.dtype}; matmul peak {peak[1] / 1e9:.0f} GFLOP/s with 1 thread, "
             f"{peak[args.threads] / 1e9:.0f} with {args.threads} (medians of {len(args.only)} "
             f"measurements in this run); medians of {args.repeats} steps after 1 warm-up; "
             f"{elapsed:.0f} s)")
@@ -194,7 +199,7 @@ def run(args) -> str:
                   f"process would take on a core of its own: robust to other tenants' load; gloo "
                   f"waits that sleep are not counted). 1-thread matmul peak in CPU time "
                   f"{cpu_peak / 1e9:.0f} GFLOP/s:",
-                  ratio_table(cpu, {c: cpu_peak * (2 if c == "RL2 2x1" else 1) for c in columns}, columns)]
+                  ratio_table(cpu, {c: cpu_peak * (2 if "2x1" in c else 1) for c in columns}, columns)]
     return "\n\n".join(parts + notes + ["```json\n" + json.dumps({"peak": col_peak, "raw": raw}) + "\n```"])
 
 
@@ -208,6 +213,9 @@ def parse_args(argv=None):
                    help="threads of TRL's process and of RL2's one-process run (the issue: 2)")
     p.add_argument("--new-tokens", type=int, default=None, help="GRPO tokens per sample (64; quick 16)")
     p.add_argument("--timeout", type=float, default=1800)
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="bfloat16: TRL's default mixed precision (CPU autocast) against RL2's "
+                        "actor.dtype=bfloat16 (FSDP2 bf16 compute, fp32 master weights)")
     args = p.parse_args(argv)
     if args.repeats is None:
         args.repeats = 1 if args.quick else 3

@@ -45,7 +45,8 @@ def sft_dpo_steps(args, model: str):
     from RL2.workers.actor import Actor
 
     keys = [f"actor.model_name={model}", "data.train.path=unused", "actor.lr=1e-5",
-            "actor.scheduler=constant", "actor.warmup_ratio=0", "actor.max_grad_norm=1.0"]
+            "actor.scheduler=constant", "actor.warmup_ratio=0", "actor.max_grad_norm=1.0",
+            f"actor.dtype={args.dtype}"] + args.override
     cfg = load_config(args.workload, keys)
     actor = Actor(cfg.actor, "cpu", total_steps=10 ** 6)
     if args.workload == "sft":
@@ -82,7 +83,7 @@ def grpo_steps(args, model: str):
         "actor.rollout.prompts_per_rollout=4", "actor.rollout.responses_per_prompt=4",
         f"actor.rollout.train_sampling_params.max_new_tokens={args.new_tokens}",
         "actor.rollout.dump_rollouts=false", "kl.coef=0", "adv.norm_var=true", "actor.lr=1e-5",
-        "actor.max_grad_norm=1.0"])
+        "actor.max_grad_norm=1.0", f"actor.dtype={args.dtype}"] + args.override)
     trainer = ppo.PPOTrainer(cfg)
     record = {}
     run, update = trainer.rollout.run, ppo.actor_update
@@ -114,6 +115,8 @@ def main(argv=None):
     p.add_argument("--pairs", type=int, default=4)
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--sft-max-length", type=int, default=1024)
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--override", nargs="*", default=[], help="extra RL2 config keys (key=value)")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     import torch

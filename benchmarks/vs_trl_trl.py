@@ -23,9 +23,9 @@ def _common(args, **extra) -> dict:
                 max_steps=args.steps, learning_rate=1e-5, lr_scheduler_type="constant",
                 warmup_steps=0, max_grad_norm=1.0, gradient_accumulation_steps=1, seed=0,
                 dataloader_num_workers=0, dataloader_drop_last=True,
-                # TRL's configs default to bf16=True, which on CPU runs every matmul under bf16
-                # autocast (AVX512-BF16 here): the comparison is fp32 on both sides
-                bf16=False, fp16=False, **extra)
+                # TRL's configs default to bf16=True (on CPU: every matmul under bf16 autocast);
+                # --dtype says which side of the comparison runs: fp32, or bf16 on both
+                bf16=args.dtype == "bfloat16", fp16=False, **extra)
 
 
 def _timer():
@@ -134,6 +134,7 @@ def main(argv=None):
     p.add_argument("--responses", type=int, default=4)
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--sft-max-length", type=int, default=1024)
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     import torch

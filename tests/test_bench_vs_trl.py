@@ -52,14 +52,14 @@ def test_ratio_table_structure_and_speedups():
 @pytest.mark.slow
 def test_bench_vs_trl_quick_runs_end_to_end(tmp_path):
     """The real script (tiny model, 1 measured step, TRL skipped to keep it short): every
-    workload row and both RL2 layouts appear, with a % of peak in each cell."""
+    workload row and every RL2 layout appears, with a % of peak in each cell."""
     env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1")
     out = subprocess.run([sys.executable, "-m", "benchmarks.bench_vs_trl", "--quick", "--no-trl",
                           "--threads", "1"], capture_output=True, text=True, cwd=REPO, env=env,
                          timeout=1500)
     assert out.returncode == 0, out.stderr[-2000:]
     text = out.stdout
-    assert "| workload | TRL | RL2 1x1 | RL2 2x1 |" in text
+    assert "| workload | TRL | RL2 1x1 | RL2 2x1 | RL2 2x1 ddp |" in text
     assert "TRL skipped: --no-trl" in text
     for label, *_ in FIGURES["sft"] + FIGURES["dpo"] + FIGURES["grpo"]:
         row = next(line for line in text.splitlines() if line.startswith(f"| {label} |"))

@@ -1,41 +1,54 @@
 """Disaggregated rollout: the trainer as a client of engine servers (`actor.rollout.placement=
 disaggregated`, `actor.rollout.servers=[host:port, ...]`).
 
-`RemotePool` is an `Engine` over N servers that speak vLLM's protocol (a real `vllm serve`, or
-`python -m RL2.rollout.server`), each driven by a `VLLMServerEngine` client:
+`RemotePool` is an `Engine` over N servers, each driven by a client of its protocol
+(`actor.rollout.server_kind`; auto: a server answering GET /model_info is SGLang's, else vLLM's):
+- vLLM's protocol (`VLLMServerEngine`, RL2/rollout/vllm_engine.py): a real `vllm serve`, or
+  `python -m RL2.rollout.server`; weights over one rl2_gloo group per server (vLLM's nccl on CUDA).
+- SGLang's HTTP server (`SGLangServerEngine`, RL2/rollout/sglang_server.py): `python -m
+  sglang.launch_server`, native routes; weights over SGLang's update_weights_from_distributed
+  group (gloo on CPU, nccl on CUDA). Refused at start-up when the server cannot serve the run
+  (--dp-size > 1, LoRA sync without --enable-lora / a large enough --max-lora-rank / targets).
+Both are driven through the same calls (generate, health, pause/resume, start_update -> push per
+bucket -> finish_update, load_adapter, weight_version, forget, shutdown):
 - generate: each call goes to the live server with the fewest calls in flight (ties: the first
   listed). The per-request seed travels with the request, so a trajectory does not depend on
-  which server ran it.
+  which server ran it (SGLang honours it only with --enable-deterministic-inference).
 - in-flight updates (asynchronous rollout, `inflight_update=pause|abort`): `abort_requests`
-  (called on the pool's loop at a step boundary) pauses every server with `/pause?mode=abort`:
-  running requests come back with "abort" and their tokens so far, new ones wait on the server;
-  the weight push that follows runs on a helper thread's loop (this one is inside the callback)
-  and ends with `/resume`.
+  (called on the pool's loop at a step boundary) pauses every server aborting its running
+  requests (`/pause?mode=abort`; SGLang: `/pause_generation` mode abort): they come back with
+  "abort" and their tokens so far, new ones wait on the server; the weight push that follows
+  runs on a helper thread's loop (this one is inside the callback) and ends with a resume.
 - update_adapter (LoRA, `actor.rollout.lora_sync=adapter`): the adapter is written once under
-  `actor.rollout.lora_dir` and every server loads it from there (vLLM's LoRA routes).
-- update_weights: one gloo group per server (trainer rank 0 + that server's workers, rl2_gloo
-  wire format); each bucket is sent to every live server concurrently; start -> update per
-  bucket -> finish with the version label (the trainer's step).
-- faults: a server whose call fails and whose /health then fails, or that misses a health probe
-  while requests are in flight (probed every `health_timeout_s`), is dropped for good (its
-  weights may be stale): its requests are retried on the others, a warning is logged and the
-  loss is counted (`pool_metrics`). A server failing during a weight sync is dropped likewise.
-  With none left, the run stops with an error naming every server and its last error.
+  `actor.rollout.lora_dir` and every server loads it from there (its LoRA routes).
+- update_weights: one transfer group per server (trainer rank 0 + that server's workers); one
+  dtype per bucket (SGLang's flat buckets need aligned offsets), sent to every live server at
+  once; start -> push per bucket -> finish with the version label (the trainer's step).
+- faults: a server whose call fails and whose health probe then fails, or that misses a health
+  probe while requests are in flight (probed every `health_timeout_s`), is dropped for good
+  (its weights may be stale): its requests are retried on the others, a warning is logged and
+  the loss is counted (`pool_metrics`). A server failing during a weight sync is dropped
+  likewise. With none left, the run stops with an error naming every server and its last error.
 """
 import asyncio
 import concurrent.futures
 import importlib.util
+import json
 import logging
 import socket
 import time
+import urllib.error
 import urllib.parse
+import urllib.request
 
 import torch
 
 from RL2.rollout.engine import Engine, GenerationOutput, SamplingParams
+from RL2.rollout.sglang_engine import make_buckets
+from RL2.rollout.sglang_server import SGLangServerEngine, cast_copies, server_problems, with_last
 from RL2.rollout.vllm_engine import VLLMServerEngine
 from RL2.workers.lora import AdapterVersions
-from RL2.rollout.vllm_transfer import BACKEND, make_buckets
+from RL2.rollout.vllm_transfer import BACKEND
 
 logger = logging.getLogger(__name__)
 
@@ -70,8 +83,28 @@ def address_towards(url: str) -> str:
         return s.getsockname()[0]
 
 
+SERVER_KINDS = ("auto", "vllm", "sglang")
+
+
+def probe_kind(url: str, timeout_s: float) -> str:
+    """sglang if the server answers GET /model_info with a weight_version (a route only SGLang
+    has: vLLM 0.32 and RL2's server answer 404), else vllm; waits up to timeout_s for it to listen."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with urllib.request.urlopen(url + "/model_info", timeout=max(1.0, min(5.0, timeout_s))) as r:
+                body = json.loads(r.read() or b"{}")
+            return "sglang" if isinstance(body, dict) and "weight_version" in body else "vllm"
+        except urllib.error.HTTPError:
+            return "vllm"  # it listens, but has no such route
+        except (urllib.error.URLError, OSError, ValueError) as e:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"rollout server {url} not reachable within {timeout_s:.0f} s: {e}") from None
+            time.sleep(1)
+
+
 class _Server:
-    def __init__(self, index: int, client: VLLMServerEngine):
+    def __init__(self, index: int, client: VLLMServerEngine | SGLangServerEngine):
         self.index, self.client, self.url = index, client, client.url
         self.in_flight = 0
         self.served = 0  # generate calls answered (least-loaded dispatch spreads them)
@@ -83,11 +116,14 @@ class RemotePool(Engine):
                  dtype: str = "float32", bucket_mb: float = 512, timeout_s: float = 600.0,
                  health_timeout_s: float = 30.0, connect_timeout_s: float | None = None,
                  transfer_host: str | None = None, transfer_backend: str = BACKEND,
-                 lora_dir: str | None = None):
+                 lora_dir: str | None = None, server_kind: str = "auto", lora_rank: int = 0,
+                 lora_targets=()):
         """`timeout_s` bounds every generate and weight-transfer call; `health_timeout_s` is how
         long a server may leave /health unanswered; `connect_timeout_s` (default timeout_s) how
         long to wait for every server to come up at start. `lora_dir`: where LoRA adapter-only
-        syncs are written for the servers to load (a path they read; None: a temporary one)."""
+        syncs are written for the servers to load (a path they read; None: a temporary one).
+        `server_kind`: vllm | sglang | auto (probed per server, `probe_kind`). `lora_rank`,
+        `lora_targets`: the adapters synced (SGLang servers are checked for them at start)."""
         if not servers:
             raise ValueError("actor.rollout.servers is empty: disaggregated placement needs the "
                              "host:port of at least one engine server")
@@ -96,21 +132,27 @@ class RemotePool(Engine):
         self.timeout_s, self.health_timeout_s = timeout_s, health_timeout_s
         self.loop = asyncio.new_event_loop()
         self.servers: list[_Server] = []
+        self.adapters: AdapterVersions | None = None  # made on the first adapter sync
+        self._monitor = None
         for i, address in enumerate(servers):
             url = normalize(address)
-            client = VLLMServerEngine(
-                url, tokenizer, max_model_len=max_model_len, dtype=dtype, bucket_mb=bucket_mb,
-                timeout_s=timeout_s, connect_timeout_s=connect_timeout_s or timeout_s,
-                transfer_host=transfer_host or address_towards(url), transfer_backend=transfer_backend)
+            kind = server_kind if server_kind != "auto" else probe_kind(url, connect_timeout_s or timeout_s)
+            cls = SGLangServerEngine if kind == "sglang" else VLLMServerEngine
+            client = cls(url, tokenizer, max_model_len=max_model_len, dtype=dtype, bucket_mb=bucket_mb,
+                         timeout_s=timeout_s, connect_timeout_s=connect_timeout_s or timeout_s,
+                         transfer_host=transfer_host or address_towards(url), transfer_backend=transfer_backend)
             client._close_loop()  # the pool's loop runs everything
             self.servers.append(_Server(i, client))
+            problems = server_problems(client.info, lora_rank, lora_targets) if kind == "sglang" else []
+            if problems:  # (the pool writes adapters itself: the clients were built without LoRA)
+                self.shutdown()
+                raise RuntimeError(f"SGLang server {url} cannot serve this run: " + "; ".join(problems))
+            logger.info("rollout server %s: %s protocol", url, kind)
         self.next_version: str | None = None  # label of the next sync (the trainer's step)
         self.lora_dir = lora_dir
-        self.adapters: AdapterVersions | None = None  # made on the first adapter sync
         self._syncs = 0
         self.counts = {"servers_lost": 0, "requests_retried": 0, "inflight_updates": 0}
         self._paused = False  # servers paused by abort_requests, resumed after the weight push
-        self._monitor = None
 
     # ------------------------------------------------------------------ bookkeeping
     def live(self) -> list[_Server]:
@@ -140,7 +182,7 @@ class RemotePool(Engine):
     def _healthy(self, server: _Server) -> str | None:
         """None if /health answers within health_timeout_s, else why not (blocking)."""
         try:
-            server.client._http("GET", "/health", timeout=self.health_timeout_s)
+            server.client.health(self.health_timeout_s)
             return None
         except RuntimeError as e:
             return str(e)
@@ -210,24 +252,14 @@ class RemotePool(Engine):
         await asyncio.gather(*[self._guarded(s, fn(s)) for s in self._check_any()])
         self._check_any()
 
-    @staticmethod
-    async def _push(server: _Server, bucket) -> None:
-        c = server.client
-        # the server's receive (inside its HTTP call) and our broadcast meet in one gloo call
-        await asyncio.gather(c._control("update_weights", c._sender.update_info(bucket)),
-                             asyncio.to_thread(c._sender.send, bucket))
-
     async def _update(self, named_tensors) -> None:
-        await self._each(lambda s: s.client._connect() if s.client._sender is None else asyncio.sleep(0))
-        await self._each(lambda s: s.client._control("start_weight_update"))
-        # copies: a bucket may span two of the weight-sync stream's reused shared buffers
-        cast = ((n, t.to(self.dtype if t.is_floating_point() else t.dtype, copy=True))
-                for n, t in named_tensors)
-        for bucket in make_buckets(cast, self.bucket_bytes):
-            await self._each(lambda s: self._push(s, bucket))
+        await self._each(lambda s: s.client.start_update())  # joins the transfer group first
+        # one dtype per bucket: SGLang's flat buckets need aligned offsets (tensor_bucket.py)
+        for bucket, last in with_last(make_buckets(cast_copies(named_tensors, self.dtype), self.bucket_bytes)):
+            await self._each(lambda s: s.client.push(bucket, last))
         self._syncs += 1
         version = self.next_version if self.next_version is not None else str(self._syncs)
-        await self._each(lambda s: s.client._control("finish_weight_update", version))
+        await self._each(lambda s: s.client.finish_update(version))
         self.next_version = None
 
     def _run(self, coro, timeout: float):
@@ -240,7 +272,7 @@ class RemotePool(Engine):
             finally:
                 if self._paused:
                     self._paused = False
-                    await self._each(lambda s: asyncio.to_thread(s.client._http, "POST", "/resume"))
+                    await self._each(lambda s: asyncio.to_thread(s.client.resume))
 
         try:  # the rollout loop (the pool's, or Rollout's own) is running in this thread
             inside = asyncio.get_running_loop() is not None
@@ -256,7 +288,7 @@ class RemotePool(Engine):
         (they return "abort" with their tokens so far); the next weight sync resumes them."""
         for s in self.live():
             try:
-                s.client._http("POST", "/pause?mode=abort", timeout=self.health_timeout_s)
+                s.client.pause(self.health_timeout_s)
             except RuntimeError as e:
                 self._drop(s, f"pause failed: {e}")
         self._check_any()
@@ -272,14 +304,14 @@ class RemotePool(Engine):
 
     def update_adapter(self, named_tensors, config: dict) -> None:
         """LoRA adapter-only sync: the adapter is written once and every live server loads it
-        (vLLM's /v1/load_lora_adapter; see VLLMServerEngine); versions as in update_weights."""
+        (its client's load_adapter); versions as in update_weights."""
         if self.adapters is None:
             self.adapters = AdapterVersions(self.lora_dir)
         self._syncs += 1
         version = self.next_version if self.next_version is not None else str(self._syncs)
 
         def load(new, previous):
-            self._run(self._each(lambda s: s.client._load_adapter(new, previous, version)), self.timeout_s)
+            self._run(self._each(lambda s: s.client.load_adapter(new, previous, version)), self.timeout_s)
 
         self.adapters.sync(named_tensors, config, load)
         self.next_version = None
@@ -296,8 +328,7 @@ class RemotePool(Engine):
     def shutdown(self) -> None:
         for s in self.servers:
             if s.error is not None:
-                s.client._sender = None  # no goodbye to a dead server
-                s.client._lora = None
+                s.client.forget()  # no goodbye to a dead server
             s.client.shutdown()
         if self._monitor is not None:
             self._monitor.cancel()
@@ -318,12 +349,15 @@ def transfer_backend(r, device: str) -> str:
     return backend
 
 
-def make_pool(cfg, tokenizer, device: str) -> RemotePool:
-    """The pool of `actor.rollout` (cfg): servers, timeouts, bucket size, wire dtype and backend."""
+def make_pool(cfg, tokenizer, device: str, lora=None) -> RemotePool:
+    """The pool of `actor.rollout` (cfg): servers and their protocol, timeouts, bucket size,
+    wire dtype and backend; `lora`: the actor's lora config when adapters are synced."""
     return RemotePool(list(cfg.servers), tokenizer, max_model_len=cfg.max_model_len or cfg.max_length,
                       dtype=cfg.server_dtype, bucket_mb=cfg.bucket_mb, timeout_s=cfg.server_timeout,
                       health_timeout_s=cfg.health_timeout, transfer_host=cfg.transfer_host,
-                      transfer_backend=transfer_backend(cfg, device), lora_dir=cfg.get("lora_dir"))
+                      transfer_backend=transfer_backend(cfg, device), lora_dir=cfg.get("lora_dir"),
+                      server_kind=cfg.get("server_kind", "auto"), lora_rank=lora.rank if lora else 0,
+                      lora_targets=list(lora.target_modules) if lora else ())
 
 
 def check_placement(r, device: str = "cpu") -> list[str]:
@@ -347,16 +381,20 @@ def check_placement(r, device: str = "cpu") -> list[str]:
     for key in ("server_timeout", "health_timeout"):
         if not r[key] > 0:
             problems.append(f"actor.rollout.{key}={r[key]} must be > 0")
-    backend = r.get("transfer_backend", "auto")
+    backend, kind = r.get("transfer_backend", "auto"), r.get("server_kind", "auto")
     if backend not in ("auto", BACKEND, "nccl"):
         problems.append(f"actor.rollout.transfer_backend={backend!r}: use auto, {BACKEND} or nccl")
     elif backend == "nccl" and device == "cpu":
         problems.append("actor.rollout.transfer_backend=nccl needs a CUDA trainer (trainer.device=cpu): "
                         f"use {BACKEND} (the servers' --weight-transfer-config backend)")
-    elif transfer_backend(r, device) == "nccl" and importlib.util.find_spec("vllm") is None:
+    elif (transfer_backend(r, device) == "nccl" and kind != "sglang"
+          and importlib.util.find_spec("vllm") is None):
         problems.append(f"actor.rollout.transfer_backend={backend} means vLLM's nccl on CUDA, whose "
                         "rendezvous needs vLLM on the trainer: pip install -e '.[vllm]', or set "
-                        f"actor.rollout.transfer_backend={BACKEND}")
+                        f"actor.rollout.transfer_backend={BACKEND} (SGLang servers: "
+                        "actor.rollout.server_kind=sglang needs no vLLM)")
+    if kind not in SERVER_KINDS:
+        problems.append(f"actor.rollout.server_kind={kind!r}: use one of {SERVER_KINDS}")
     if not isinstance(getattr(torch, str(r.server_dtype), None), torch.dtype):
         problems.append(f"actor.rollout.server_dtype={r.server_dtype!r} is not a torch dtype")
     return problems

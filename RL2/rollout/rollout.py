@@ -40,7 +40,10 @@ def engine_kwargs(kind: str, cfg, rank: int, seed: int = 0) -> dict:
             base = rank % max(1, torch.cuda.device_count())
             kw.update(tp_size=cfg.tp_size, device_ids=list(range(base, base + cfg.tp_size)))
         return kw
-    return dict(max_model_len=cfg.max_model_len) if cfg.max_model_len else {}
+    kw = dict(cfg.get("torch") or {})
+    if cfg.max_model_len:
+        kw["max_model_len"] = cfg.max_model_len
+    return kw
 
 
 LORA_SYNC = ("auto", "merged", "adapter")
@@ -133,6 +136,11 @@ class Rollout:
         self.peer = None  # SGLang: this rank's part in the weight updates of its group's engine
         self._weight_sync = None  # built on the first sync (a collective over the model's ranks)
         kw = engine_kwargs(self.kind, cfg, rank, seed)
+        # the torch engine in another dtype than the trainer's fp32 master weights: the sync casts
+        # (shared-memory buckets are written cast, so engines still share them)
+        engine_dtype = getattr(torch, kw.get("dtype", "float32")) if (
+            self.kind == "torch" and not self.disaggregated) else None
+        self.sync_dtype = engine_dtype if engine_dtype not in (None, torch.float32) else None
         lora_rank = lora.rank if lora is not None else 0
         self.adapter_sync = lora_rank > 0 and lora_sync_mode(cfg, self.kind) == "adapter"
         if self.adapter_sync and not self.disaggregated:
@@ -143,7 +151,7 @@ class Rollout:
             kw.update(self._sglang_group(model_path, kw))
         if self.is_leader and self.disaggregated:
             from RL2.rollout.remote import make_pool
-            self.engine = make_pool(cfg, tokenizer, device)
+            self.engine = make_pool(cfg, tokenizer, device, lora if self.adapter_sync else None)
         elif self.is_leader:
             self.engine = make_engine(self.kind, model_path, tokenizer, **kw)
             if getattr(self.engine, "loop", None) is not None:
@@ -182,7 +190,7 @@ class Rollout:
         ws = self._weight_sync
         if ws is None or ws.model is not model or ws.requested_share != share:
             self._weight_sync = ws = WeightSync(model, self.cfg.weight_sync, self.cfg.bucket_mb, share=share,
-                                                adapter_only=self.adapter_sync)
+                                                dtype=self.sync_dtype, adapter_only=self.adapter_sync)
         return ws
 
     def load(self, weights: list) -> None:

@@ -113,17 +113,26 @@ class _VLLMBase(Engine):
         """Let the loop's tasks (vLLM's output handler) end before it closes."""
         close_loop(self.loop)
 
-    async def _update(self, named_tensors) -> None:
+    async def start_update(self) -> None:
         if self._sender is None:
             await self._connect()
         await self._control("start_weight_update")
+
+    async def push(self, bucket, last: bool = False) -> None:
+        # the worker's receive (inside the RPC) and our broadcast meet in one gloo call
+        await asyncio.gather(self._control("update_weights", self._sender.update_info(bucket)),
+                             asyncio.to_thread(self._sender.send, bucket))
+
+    async def finish_update(self, version: str) -> None:
+        await self._control("finish_weight_update", version)
+
+    async def _update(self, named_tensors) -> None:
+        await self.start_update()
         cast = ((n, t.to(self.dtype) if t.is_floating_point() else t) for n, t in named_tensors)
         for bucket in make_buckets(cast, self.bucket_bytes):
-            # the worker's receive (inside the RPC) and our broadcast meet in one gloo call
-            await asyncio.gather(self._control("update_weights", self._sender.update_info(bucket)),
-                                 asyncio.to_thread(self._sender.send, bucket))
+            await self.push(bucket)
         self.version += 1
-        await self._control("finish_weight_update", str(self.version))
+        await self.finish_update(str(self.version))
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Stream full tensors (HF names) into vLLM in bounded buckets, cast to the engine dtype;
@@ -359,6 +368,22 @@ class VLLMServerEngine(_VLLMBase):
             except RuntimeError as e:
                 logger.warning("%s", e)
             self._lora = None
+
+    # what RemotePool calls besides start_update/push/finish_update (as on SGLangServerEngine)
+    def health(self, timeout: float) -> None:
+        self._http("GET", "/health", timeout=timeout)
+
+    def pause(self, timeout: float) -> None:
+        self._http("POST", "/pause?mode=abort", timeout=timeout)
+
+    def resume(self) -> None:
+        self._http("POST", "/resume")
+
+    load_adapter = _load_adapter
+
+    def forget(self) -> None:
+        """The server is gone: no goodbye calls at shutdown."""
+        self._sender, self._lora = None, None
 
     def _new_sender(self) -> GlooSender | NcclSender:
         cls = NcclSender if self.transfer_backend == "nccl" else GlooSender

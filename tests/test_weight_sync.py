@@ -130,6 +130,14 @@ def _transports_agree(rank, world, model_dir, data_path, layout):
     got = dict(half.stream())
     report["bf16_ok"] = all(got[n].dtype == (torch.bfloat16 if ref[n].is_floating_point() else ref[n].dtype)
                             and torch.equal(got[n], ref[n].to(got[n].dtype)) for n in ref)
+    # a bf16 engine (actor.rollout.torch.dtype): it gets the cast weights (one rank: copied; more:
+    # it uses the cast shared buckets), and the trainer's fp32 weights stay as they were
+    engine16, half = TorchEngine(model_dir, tok, dtype="bfloat16"), WeightSync(actor.model, dtype=torch.bfloat16)
+    half(engine16)  # as the trainer does it: the first call decides the mode
+    got = engine16.model.state_dict()
+    report["bf16_engine_ok"] = all(torch.equal(got[n], ref[n].to(got[n].dtype)) for n in ref) and all(
+        torch.equal(t, ref[n]) for n, t in full_tensors(actor.model))
+    report["bf16_mode"] = half.mode
     return report
 
 
@@ -140,6 +148,8 @@ def test_weight_sync_transports_agree(assets, world, layout):
     for r in results:
         assert r["mismatch"] == [], r
         assert r["bf16_ok"], r
+        assert r["bf16_engine_ok"], r
+        assert r["bf16_mode"] == ("shared" if world > 1 else None), r  # one rank: a cast copy
         assert r["mode"] == ("shared" if world > 1 else "aliased"), r
         assert r["unshared_ok"], r
         assert r["gather_buckets"] > 1, r

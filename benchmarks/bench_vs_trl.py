@@ -85,7 +85,8 @@ def run_rl2(workload: str, root: str, nproc: int, threads: int, args, ddp: bool 
                              "--assets", root, "--steps", str(args.repeats + 1),
                              "--threads", str(threads), "--new-tokens", str(args.new_tokens),
                              "--dtype", args.dtype, "--out", out]
-         + (["--override", f"actor.ddp_size={nproc}"] if ddp else []), threads, args.timeout, root)
+         + ["--override", *args.rl2_override] + ([f"actor.ddp_size={nproc}"] if ddp else []),
+         threads, args.timeout, root)
     return _load(out)
 
 
@@ -213,6 +214,8 @@ def parse_args(argv=None):
                    help="threads of TRL's process and of RL2's one-process run (the issue: 2)")
     p.add_argument("--new-tokens", type=int, default=None, help="GRPO tokens per sample (64; quick 16)")
     p.add_argument("--timeout", type=float, default=1800)
+    p.add_argument("--rl2-override", nargs="*", default=[], metavar="KEY=VALUE",
+                   help="extra config keys for every RL2 run, e.g. actor.rollout.torch.dtype=bfloat16")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                    help="bfloat16: TRL's default mixed precision (CPU autocast) against RL2's "
                         "actor.dtype=bfloat16 (FSDP2 bf16 compute, fp32 master weights)")

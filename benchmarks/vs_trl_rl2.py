@@ -83,7 +83,8 @@ def grpo_steps(args, model: str):
         "actor.rollout.prompts_per_rollout=4", "actor.rollout.responses_per_prompt=4",
         f"actor.rollout.train_sampling_params.max_new_tokens={args.new_tokens}",
         "actor.rollout.dump_rollouts=false", "kl.coef=0", "adv.norm_var=true", "actor.lr=1e-5",
-        "actor.max_grad_norm=1.0", f"actor.dtype={args.dtype}"] + args.override)
+        "actor.max_grad_norm=1.0", f"actor.dtype={args.dtype}",
+        f"actor.rollout.torch.dtype={args.dtype}"] + args.override)  # bf16: TRL generates under autocast
     trainer = ppo.PPOTrainer(cfg)
     record = {}
     run, update = trainer.rollout.run, ppo.actor_update

@@ -1,4 +1,5 @@
-"""Start and kill RL2 engine servers (`python -m RL2.rollout.server`) as real processes."""
+"""Start and kill engine servers (`python -m RL2.rollout.server`, the fake SGLang server) as real
+processes."""
 import os
 import re
 import signal
@@ -9,11 +10,20 @@ import time
 
 def start_server(model: str, log_path, *extra: str, timeout: float = 600.0):
     """(process, "127.0.0.1:port"): the server picks a free port and prints it when listening."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    return _start(["RL2.rollout.server", "--model", model, "--host", "127.0.0.1", "--port", "0",
+                   "--threads", "1", *extra], log_path, timeout)
+
+
+def start_fake_sglang(model: str, log_path, *extra: str, timeout: float = 600.0):
+    """The same for tests/fake_sglang_server.py (SGLang 0.5.23's routes over the torch engine)."""
+    return _start(["tests.fake_sglang_server", "--model", model, "--port", "0", *extra], log_path, timeout)
+
+
+def _start(module_args: list[str], log_path, timeout: float, env: dict | None = None):
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", **(env or {}))
     log = open(log_path, "w")
-    proc = subprocess.Popen([sys.executable, "-m", "RL2.rollout.server", "--model", model,
-                             "--host", "127.0.0.1", "--port", "0", "--threads", "1", *extra],
-                            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    proc = subprocess.Popen([sys.executable, "-m", *module_args], stdout=log, stderr=subprocess.STDOUT,
+                            env=env, start_new_session=True)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         m = re.search(r"listening on http://([\d.]+:\d+)", open(log_path).read())
@@ -23,7 +33,7 @@ def start_server(model: str, log_path, *extra: str, timeout: float = 600.0):
             break
         time.sleep(0.2)
     kill(proc)
-    raise AssertionError(f"RL2 engine server did not start:\n{open(log_path).read()[-4000:]}")
+    raise AssertionError(f"{module_args[0]} did not start:\n{open(log_path).read()[-4000:]}")
 
 
 def kill(proc, sig=signal.SIGKILL) -> None:

@@ -3,14 +3,11 @@ disaggregated`, `actor.rollout.servers=[host:port, ...]`).
 
 `RemotePool` is an `Engine` over N servers, each driven by a client of its protocol
 (`actor.rollout.server_kind`; auto: a server answering GET /model_info is SGLang's, else vLLM's):
-- vLLM's protocol (`VLLMServerEngine`, RL2/rollout/vllm_engine.py): a real `vllm serve`, or
-  `python -m RL2.rollout.server`; weights over one rl2_gloo group per server (vLLM's nccl on CUDA).
-- SGLang's HTTP server (`SGLangServerEngine`, RL2/rollout/sglang_server.py): `python -m
-  sglang.launch_server`, native routes; weights over SGLang's update_weights_from_distributed
-  group (gloo on CPU, nccl on CUDA). Refused at start-up when the server cannot serve the run
-  (--dp-size > 1, LoRA sync without --enable-lora / a large enough --max-lora-rank / targets).
-Both are driven through the same calls (generate, health, pause/resume, start_update -> push per
-bucket -> finish_update, load_adapter, weight_version, forget, shutdown):
+- vLLM's (`VLLMServerEngine`, vllm_engine.py): `vllm serve` or `python -m RL2.rollout.server`.
+- SGLang's (`SGLangServerEngine`, sglang_server.py): `python -m sglang.launch_server`, native
+  routes. Refused at start-up when it cannot serve the run (--dp-size > 1, LoRA sync without
+  --enable-lora / a large enough --max-lora-rank / the targets).
+Both through one set of calls (generate, health, pause, resume, start_update, push, ...):
 - generate: each call goes to the live server with the fewest calls in flight (ties: the first
   listed). The per-request seed travels with the request, so a trajectory does not depend on
   which server ran it (SGLang honours it only with --enable-deterministic-inference).
@@ -25,10 +22,10 @@ bucket -> finish_update, load_adapter, weight_version, forget, shutdown):
   dtype per bucket (SGLang's flat buckets need aligned offsets), sent to every live server at
   once; start -> push per bucket -> finish with the version label (the trainer's step).
 - faults: a server whose call fails and whose health probe then fails, or that misses a health
-  probe while requests are in flight (probed every `health_timeout_s`), is dropped for good
-  (its weights may be stale): its requests are retried on the others, a warning is logged and
-  the loss is counted (`pool_metrics`). A server failing during a weight sync is dropped
-  likewise. With none left, the run stops with an error naming every server and its last error.
+  probe while requests are in flight (probed every `health_timeout_s`), or fails in a weight
+  sync, is dropped for good (its weights may be stale): its requests are retried on the others,
+  a warning is logged and the loss counted (`pool_metrics`). With none left, the run stops with
+  an error naming every server and its last error. Calls after `shutdown` are dropped.
 """
 import asyncio
 import concurrent.futures
@@ -106,8 +103,7 @@ def probe_kind(url: str, timeout_s: float) -> str:
 class _Server:
     def __init__(self, index: int, client: VLLMServerEngine | SGLangServerEngine):
         self.index, self.client, self.url = index, client, client.url
-        self.in_flight = 0
-        self.served = 0  # generate calls answered (least-loaded dispatch spreads them)
+        self.in_flight, self.served = 0, 0  # generate calls in flight / answered (dispatch spreads them)
         self.error: str | None = None  # set when the server is dropped
 
 
@@ -132,8 +128,7 @@ class RemotePool(Engine):
         self.timeout_s, self.health_timeout_s = timeout_s, health_timeout_s
         self.loop = asyncio.new_event_loop()
         self.servers: list[_Server] = []
-        self.adapters: AdapterVersions | None = None  # made on the first adapter sync
-        self._monitor = None
+        self.adapters, self._monitor = None, None  # adapters: made on the first adapter sync
         for i, address in enumerate(servers):
             url = normalize(address)
             kind = server_kind if server_kind != "auto" else probe_kind(url, connect_timeout_s or timeout_s)
@@ -153,6 +148,7 @@ class RemotePool(Engine):
         self._syncs = 0
         self.counts = {"servers_lost": 0, "requests_retried": 0, "inflight_updates": 0}
         self._paused = False  # servers paused by abort_requests, resumed after the weight push
+        self.closed = False  # set by shutdown: later pushes (queued on a rollout loop) are dropped
 
     # ------------------------------------------------------------------ bookkeeping
     def live(self) -> list[_Server]:
@@ -266,6 +262,9 @@ class RemotePool(Engine):
         """Run a weight-sync coroutine to completion: on the pool's loop, or, when called from
         inside a running loop (an in-flight update at a rollout step boundary), on a fresh loop
         in a helper thread while that one waits. Then resume servers paused by `abort_requests`."""
+        if self.closed:
+            return coro.close()
+
         async def then_resume():
             try:
                 return await asyncio.wait_for(coro, timeout)
@@ -286,6 +285,8 @@ class RemotePool(Engine):
     def abort_requests(self) -> None:
         """New weights mid-rollout: pause every live server, aborting its running requests
         (they return "abort" with their tokens so far); the next weight sync resumes them."""
+        if self.closed:
+            return
         for s in self.live():
             try:
                 s.client.pause(self.health_timeout_s)
@@ -326,6 +327,7 @@ class RemotePool(Engine):
         pass
 
     def shutdown(self) -> None:
+        self.closed = True
         for s in self.servers:
             if s.error is not None:
                 s.client.forget()  # no goodbye to a dead server
@@ -344,9 +346,7 @@ class RemotePool(Engine):
 def transfer_backend(r, device: str) -> str:
     """`actor.rollout.transfer_backend` (r) resolved for a trainer on `device` (cpu | cuda)."""
     backend = r.get("transfer_backend", "auto")
-    if backend == "auto":
-        return "nccl" if device == "cuda" else BACKEND
-    return backend
+    return backend if backend != "auto" else ("nccl" if device == "cuda" else BACKEND)
 
 
 def make_pool(cfg, tokenizer, device: str, lora=None) -> RemotePool:

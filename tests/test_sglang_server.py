@@ -17,7 +17,7 @@ import torch.distributed as dist
 from RL2.rollout.engine import SamplingParams
 from RL2.rollout.sglang_server import SGLangServerEngine, server_problems
 from RL2.rollout.torch_engine import TorchEngine
-from tests.run_utils import run_trainer
+from tests.run_utils import cfg_with, run_trainer
 from tests.server_utils import kill, start_fake_sglang, start_server
 from tests.sources import download, find, tree
 from tests.test_disaggregated import args, assert_same_run, colocated, disaggregated, env_path, rows  # noqa: F401
@@ -169,6 +169,22 @@ def test_start_up_refusals_name_the_server_flag():
                                         "lora_target_modules": ["q_proj"]}, 8, ["q_proj", "v_proj"])[0]
     assert server_problems({"enable_lora": True, "max_lora_rank": 8, "lora_target_modules": ["all"]},
                            8, ["q_proj"]) == []
+
+
+def test_server_kind_is_checked_at_start(monkeypatch):
+    import importlib.util
+
+    from RL2.rollout.remote import check_placement
+    from RL2.trainer.ppo import check_config
+
+    base = ("actor.rollout.placement=disaggregated", "actor.rollout.servers=[a:1]")
+    with pytest.raises(SystemExit, match="actor.rollout.server_kind='sgl'"):
+        check_config(cfg_with(*base, "actor.rollout.server_kind=sgl"))
+    # a CUDA trainer's nccl push needs vLLM on the trainer only for vLLM's protocol
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a))
+    assert check_placement(cfg_with(*base, "actor.rollout.server_kind=sglang").actor.rollout, "cuda") == []
+    assert "server_kind=sglang" in check_placement(cfg_with(*base).actor.rollout, "cuda")[0]
 
 
 def test_pool_probes_each_servers_protocol(assets, fakes, tmp_path):

@@ -32,7 +32,6 @@ import concurrent.futures
 import importlib.util
 import json
 import logging
-import socket
 import time
 import urllib.error
 import urllib.parse
@@ -45,7 +44,7 @@ from RL2.rollout.sglang_engine import make_buckets
 from RL2.rollout.sglang_server import SGLangServerEngine, cast_copies, server_problems, with_last
 from RL2.rollout.vllm_engine import VLLMServerEngine
 from RL2.workers.lora import AdapterVersions
-from RL2.rollout.vllm_transfer import BACKEND
+from RL2.rollout.vllm_transfer import BACKEND, route_address
 
 logger = logging.getLogger(__name__)
 
@@ -75,9 +74,7 @@ def address_towards(url: str) -> str:
     """This machine's IP address on the route to `url` (what the server must dial back to join
     the weight-transfer group); no packet is sent."""
     parts = urllib.parse.urlsplit(url)
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.connect((parts.hostname, parts.port or 80))
-        return s.getsockname()[0]
+    return route_address(parts.hostname, parts.port or 80)
 
 
 SERVER_KINDS = ("auto", "vllm", "sglang")

@@ -19,6 +19,8 @@ process from an environment without vLLM. The worker half is RL2/rollout/vllm_pl
 from __future__ import annotations
 
 import datetime
+import os
+import socket
 from typing import Iterable, Iterator
 
 import torch
@@ -63,12 +65,30 @@ def unpack(buffer: torch.Tensor, names, shapes, dtypes) -> list[tuple[str, torch
     return out
 
 
-def open_group(host: str, port: int, rank: int, world_size: int, timeout_s: float, store=None):
-    """A gloo group outside torch.distributed's default group (the trainer has its own)."""
+def route_address(host: str, port: int = 80) -> str:
+    """This machine's IP address on the route to `host` (no packet is sent)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((host, port))
+        return s.getsockname()[0]
+
+
+def open_group(host: str, port: int, rank: int, world_size: int, timeout_s: float, store=None,
+               own_address: str | None = None):
+    """A gloo group outside torch.distributed's default group (the trainer has its own), over
+    the TCPStore at host:port. Gloo's default device binds to what this machine's hostname
+    resolves to, often 127.0.0.1 or 127.0.1.1, and tells its peers to dial that: a peer on
+    another host cannot. So the device binds to `own_address` (the trainer: the address it
+    published as `host`; a worker: its address on the route to the trainer), unless
+    GLOO_SOCKET_IFNAME names an interface."""
     timeout = datetime.timedelta(seconds=timeout_s)
     if store is None:
         store = dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
-    return dist.ProcessGroupGloo(dist.PrefixStore("rl2_weights", store), rank, world_size, timeout)
+    options = dist.ProcessGroupGloo._Options()
+    options._timeout = timeout
+    interface = os.environ.get("GLOO_SOCKET_IFNAME")
+    options._devices = [dist.ProcessGroupGloo.create_device(interface=interface) if interface else
+                        dist.ProcessGroupGloo.create_device(hostname=own_address or route_address(host, port))]
+    return dist.ProcessGroupGloo(dist.PrefixStore("rl2_weights", store), rank, world_size, options)
 
 
 def make_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]],
@@ -106,7 +126,8 @@ class GlooSender:
     def connect(self) -> None:
         """Join the group; blocks until every worker joined (run while the workers' init RPC is
         in flight)."""
-        self.group = open_group(self.host, self.port, 0, self.world_size, self.timeout_s, self.store)
+        self.group = open_group(self.host, self.port, 0, self.world_size, self.timeout_s, self.store,
+                                own_address=self.host)
 
     @staticmethod
     def update_info(bucket: list[tuple[str, torch.Tensor]]) -> dict:

@@ -264,3 +264,48 @@ def test_inflight_updates_on_servers_keep_the_staleness_bound(assets, servers, t
     assert max(max(v) for v in versions.values()) >= 3
     # weights changed in the middle of a batch (with inflight_update=none each batch has one version)
     assert any(len(v) > 1 for v in versions.values()), versions
+
+
+def test_a_server_refusing_the_weight_group_stops_the_run_at_once(assets, env_path, tmp_path):
+    """A server that answers /init_weight_transfer_engine with an error never joins the group,
+    so the trainer's side of the rendezvous would wait out server_timeout (120 s here) in a
+    thread the process's exit joins. The run must stop right after the error, naming it."""
+    import http.server
+    import threading
+    import time
+
+    class Refusing(http.server.BaseHTTPRequestHandler):
+        def _answer(self, code, body):
+            data = json.dumps(body).encode()
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self):
+            if self.path == "/model_info":
+                return self._answer(404, {"detail": "Not Found"})  # not SGLang: vLLM's protocol
+            self._answer(200, {"world_size": 1} if self.path == "/get_world_size" else {})
+
+        def do_POST(self):
+            self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            self._answer(500, {"error": {"message": "cannot join: test refusal", "type": "Internal Server Error",
+                                         "param": None, "code": 500}})
+
+        def log_message(self, *a):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Refusing)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        start = time.monotonic()
+        proc = run_trainer("ppo", 1, args(assets, env_path, *disaggregated([f"127.0.0.1:{server.server_port}"]),
+                                          "actor.rollout.server_timeout=120"),
+                           tmp_path, check=False, timeout=600)
+        took = time.monotonic() - start
+    finally:
+        server.shutdown()
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "cannot join: test refusal" in out, out[-3000:]
+    assert took < 90, took  # measured ~15 s (start-up included); before, 120 s + start-up

@@ -8,6 +8,7 @@ caller does not use.
 import asyncio
 import importlib.util
 import logging
+import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Iterable
@@ -125,6 +126,32 @@ def check_prompt(prompt_ids, max_model_len: int, vocab_size: int | None = None) 
     if vocab_size is not None and (min(prompt) < 0 or max(prompt) >= vocab_size):
         raise ValueError(f"prompt token ids must be in [0, {vocab_size})")
     return prompt
+
+
+async def in_daemon_thread(fn, *args):
+    """`await asyncio.to_thread(fn, *args)`, on a daemon thread of its own: a transfer call
+    (joining a weight-transfer group, a broadcast) blocks until its peer arrives or its timeout
+    (up to server_timeout). When the server's side failed, the trainer stops with that error at
+    once; a blocked executor thread would hold the process's exit until the timeout."""
+    loop = asyncio.get_running_loop()
+    done = loop.create_future()
+
+    def settle(method, value):
+        if not done.done():
+            getattr(done, method)(value)
+
+    def run():
+        try:
+            result, method = fn(*args), "set_result"
+        except BaseException as e:  # noqa: BLE001 - handed to the awaiting coroutine
+            result, method = e, "set_exception"
+        try:
+            loop.call_soon_threadsafe(settle, method, result)
+        except RuntimeError:  # the loop is closed: nobody waits any more
+            pass
+
+    threading.Thread(target=run, daemon=True, name="rl2-transfer").start()
+    return await done
 
 
 def close_loop(loop: asyncio.AbstractEventLoop) -> None:

@@ -37,7 +37,7 @@ import uuid
 import torch
 import torch.distributed as dist
 
-from RL2.rollout.engine import Engine, GenerationOutput, SamplingParams, check_prompt, close_loop
+from RL2.rollout.engine import Engine, GenerationOutput, SamplingParams, check_prompt, close_loop, in_daemon_thread
 from RL2.rollout.sglang_engine import make_buckets
 from RL2.utils.seeding import derive_seed
 from RL2.workers.lora import AdapterVersions
@@ -228,7 +228,7 @@ class SGLangServerEngine(Engine):
     async def _connect(self) -> None:
         group = UpdateGroup(self.transfer_host, self.n_workers, self.backend, self.timeout_s)
         await asyncio.gather(self._post("/init_weights_update_group", group.request()),
-                             asyncio.to_thread(group.connect))
+                             in_daemon_thread(group.connect))
         self.group = group
 
     async def start_update(self) -> None:
@@ -240,7 +240,7 @@ class SGLangServerEngine(Engine):
         # the server's receive (inside its HTTP call) and our broadcast meet in one collective
         await asyncio.gather(self._post("/update_weights_from_distributed",
                                         update_request(bucket, self.group.name, last)),
-                             asyncio.to_thread(self.group.send, bucket))
+                             in_daemon_thread(self.group.send, bucket))
 
     async def finish_update(self, version: str) -> None:
         await self._post("/end_weight_update", {})

@@ -30,7 +30,7 @@ from typing import Iterable
 
 import torch
 
-from RL2.rollout.engine import Engine, GenerationOutput, SamplingParams, check_prompt, close_loop
+from RL2.rollout.engine import Engine, GenerationOutput, SamplingParams, check_prompt, close_loop, in_daemon_thread
 from RL2.rollout.vllm_transfer import BACKEND, GlooSender, NcclSender, make_buckets
 from RL2.utils.seeding import derive_seed
 from RL2.workers.lora import AdapterVersions
@@ -102,7 +102,7 @@ class _VLLMBase(Engine):
         """First sync: the workers join the trainer's gloo group inside their init RPC."""
         sender = self._new_sender()
         await asyncio.gather(self._control("init_weight_transfer_engine", sender.init_info()),
-                             asyncio.to_thread(sender.connect))
+                             in_daemon_thread(sender.connect))
         self._sender = sender
 
     def _new_sender(self):
@@ -121,7 +121,7 @@ class _VLLMBase(Engine):
     async def push(self, bucket, last: bool = False) -> None:
         # the worker's receive (inside the RPC) and our broadcast meet in one gloo call
         await asyncio.gather(self._control("update_weights", self._sender.update_info(bucket)),
-                             asyncio.to_thread(self._sender.send, bucket))
+                             in_daemon_thread(self._sender.send, bucket))
 
     async def finish_update(self, version: str) -> None:
         await self._control("finish_weight_update", version)

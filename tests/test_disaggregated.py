@@ -186,7 +186,7 @@ def test_a_server_dying_mid_answer_is_a_named_runtime_error():
     import socket
     import threading
 
-    from RL2.rollout.vllm_engine import VLLMServerEngine
+    from RL2.rollout.vllm_server import VLLMServerEngine
 
     listener = socket.create_server(("127.0.0.1", 0))
     port = listener.getsockname()[1]

@@ -190,7 +190,7 @@ def test_server_kind_is_checked_at_start(monkeypatch):
 def test_pool_probes_each_servers_protocol(assets, fakes, tmp_path):
     """server_kind=auto: the SGLang server answers /model_info, RL2's server (vLLM's protocol) 404."""
     from RL2.rollout.remote import RemotePool
-    from RL2.rollout.vllm_engine import VLLMServerEngine
+    from RL2.rollout.vllm_server import VLLMServerEngine
 
     proc, rl2 = start_server(assets["model"], tmp_path / "rl2.log")
     try:

@@ -198,7 +198,8 @@ def make_engine(kind: str, model_path, tokenizer, **kw) -> Engine:
 
         url = kw.pop("server_url", None)
         if url:  # a `vllm serve` process: HTTP only, vLLM need not be installed here
-            return vllm_engine.VLLMServerEngine(url, tokenizer, **kw)
+            from RL2.rollout.vllm_server import VLLMServerEngine
+            return VLLMServerEngine(url, tokenizer, **kw)
         if importlib.util.find_spec("vllm") is None:
             raise ImportError(vllm_engine.MISSING)
         return vllm_engine.VLLMEngine(model_path, tokenizer, **kw)

@@ -3,7 +3,7 @@ disaggregated`, `actor.rollout.servers=[host:port, ...]`).
 
 `RemotePool` is an `Engine` over N servers, each driven by a client of its protocol
 (`actor.rollout.server_kind`; auto: a server answering GET /model_info is SGLang's, else vLLM's):
-- vLLM's (`VLLMServerEngine`, vllm_engine.py): `vllm serve` or `python -m RL2.rollout.server`.
+- vLLM's (`VLLMServerEngine`, vllm_server.py): `vllm serve` or `python -m RL2.rollout.server`.
 - SGLang's (`SGLangServerEngine`, sglang_server.py): `python -m sglang.launch_server`, native
   routes. Refused at start-up when it cannot serve the run (--dp-size > 1, LoRA sync without
   --enable-lora / a large enough --max-lora-rank / the targets).
@@ -42,7 +42,7 @@ import torch
 from RL2.rollout.engine import Engine, GenerationOutput, SamplingParams
 from RL2.rollout.sglang_engine import make_buckets
 from RL2.rollout.sglang_server import SGLangServerEngine, cast_copies, server_problems, with_last
-from RL2.rollout.vllm_engine import VLLMServerEngine
+from RL2.rollout.vllm_server import VLLMServerEngine
 from RL2.workers.lora import AdapterVersions
 from RL2.rollout.vllm_transfer import BACKEND, route_address
 

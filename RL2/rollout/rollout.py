@@ -138,9 +138,8 @@ class Rollout:
         kw = engine_kwargs(self.kind, cfg, rank, seed)
         # the torch engine in another dtype than the trainer's fp32 master weights: the sync casts
         # (shared-memory buckets are written cast, so engines still share them)
-        engine_dtype = getattr(torch, kw.get("dtype", "float32")) if (
-            self.kind == "torch" and not self.disaggregated) else None
-        self.sync_dtype = engine_dtype if engine_dtype not in (None, torch.float32) else None
+        engine_dtype = kw.get("dtype", "float32") if self.kind == "torch" and not self.disaggregated else "float32"
+        self.sync_dtype = None if engine_dtype == "float32" else getattr(torch, engine_dtype)
         lora_rank = lora.rank if lora is not None else 0
         self.adapter_sync = lora_rank > 0 and lora_sync_mode(cfg, self.kind) == "adapter"
         if self.adapter_sync and not self.disaggregated:

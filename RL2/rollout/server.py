@@ -1,6 +1,6 @@
 """`python -m RL2.rollout.server --model DIR --host H --port P`: RL2's torch engine as an HTTP
 server speaking the subset of vLLM 0.32's server protocol that RL2 uses, so one client
-(`RL2.rollout.vllm_engine.VLLMServerEngine`, pooled by `RL2.rollout.remote.RemotePool`) drives a
+(`RL2.rollout.vllm_server.VLLMServerEngine`, pooled by `RL2.rollout.remote.RemotePool`) drives a
 real `vllm serve` and this server alike (CPU stand-in for vLLM; no new dependency: stdlib HTTP).
 
 Routes and JSON shapes (vLLM source cited per route; errors are vLLM's `ErrorResponse`

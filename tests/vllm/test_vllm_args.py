@@ -65,7 +65,7 @@ def test_servers_on_cuda_get_vllms_nccl_init_info(monkeypatch):
     from vllm.distributed.weight_transfer.nccl_common import NCCLWeightTransferInitInfo
 
     from RL2.rollout.remote import transfer_backend
-    from RL2.rollout.vllm_engine import VLLMServerEngine
+    from RL2.rollout.vllm_server import VLLMServerEngine
     from RL2.rollout.vllm_transfer import GlooSender, NcclSender
 
     cfg = rollout_cfg("actor.rollout.placement=disaggregated", "actor.rollout.servers=[h:1]")

@@ -281,3 +281,16 @@ def install_fake_sglang(monkeypatch):
     for name, module in mods.items():
         monkeypatch.setitem(sys.modules, name, module)
     return mods
+
+
+LORA_CONFIG = {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"],
+               "bias": "none"}
+
+
+def lora_tensors(seed: int) -> list:
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    prefix = "base_model.model.model.layers.0.self_attn"
+    return [(f"{prefix}.{m}.lora_{ab}.weight", torch.randn(shape, generator=g))
+            for m in ("q_proj", "v_proj") for ab, shape in (("A", (4, 8)), ("B", (8, 4)))]

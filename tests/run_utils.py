@@ -207,3 +207,29 @@ def biased_warm_start(root, tokenizer, **shape) -> dict:
                            "data.train.batch_size=32", "actor.lr=3e-3", "actor.scheduler=cosine",
                            "trainer.n_epochs=8"], root / "sft")
     return {"model": str(root / "sft" / "run" / "final"), "data": root / "data"}
+
+
+def fixed_batch(vocab: int, n: int = 12, seed: int = 0) -> list[dict]:
+    """Sequences with a prompt, 1-2 action turns separated by environment tokens, and per-token
+    advantages / old / ref / engine log-probs / values / returns drawn around the tiny model's
+    actual scale (log-probs ~ -log(vocab)) so that both clips and the TIS cap are active."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    samples = []
+    for i in range(n):
+        length = int(torch.randint(10, 34, (1,), generator=g))
+        ids = torch.randint(0, vocab, (length + 1,), generator=g)
+        mask = torch.zeros(length)
+        p = length // 3
+        mask[p:] = 1.0
+        if i % 3 == 0:  # a second turn: environment tokens in between
+            mask[p + 3:p + 6] = 0.0
+        noise = lambda scale: scale * torch.randn(length, generator=g)  # noqa: E731
+        old = -math.log(vocab) + noise(0.3)
+        samples.append({
+            "input_ids": ids[:-1], "labels": ids[1:], "action_mask": mask,
+            "advantages": noise(1.0) * mask, "old_logps": old, "ref_logps": old + noise(0.2),
+            "engine_logps": old + noise(0.5), "values": noise(0.5), "returns": noise(1.0),
+        })
+    return samples

@@ -1,11 +1,15 @@
 """Start and kill engine servers (`python -m RL2.rollout.server`, the fake SGLang server) as real
 processes."""
+import asyncio
+import json
 import os
 import re
 import signal
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 
 
 def start_server(model: str, log_path, *extra: str, timeout: float = 600.0):
@@ -40,3 +44,25 @@ def kill(proc, sig=signal.SIGKILL) -> None:
     if proc.poll() is None:
         os.killpg(proc.pid, sig)
         proc.wait(timeout=30)
+
+
+def prompts(tok) -> list[list[int]]:
+    return [tok.encode(t) for t in ("What is 2 + 3?", "Hello there", "<|im_start|>user\n7 * 6")]
+
+
+def run(loop, coros):
+    async def go():
+        return await asyncio.gather(*coros)
+    return loop.run_until_complete(go())
+
+
+def request(address, method, path, body=None, raw: bytes | None = None):
+    data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
+    req = urllib.request.Request(f"http://{address}{path}", data=data, method=method,
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            text = resp.read()
+            return resp.status, json.loads(text) if text else None
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())

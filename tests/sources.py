@@ -18,6 +18,11 @@ def cache_dir(env_var: str, name: str) -> Path:
     return Path(os.environ.get(env_var, Path.home() / ".cache" / "rl2" / name))
 
 
+# sglang 0.5.23, the version RL2's SGLang code is written against (its wheel's Python files)
+SGLANG = "sglang==0.5.23"
+CACHE = cache_dir("RL2_SGLANG_CACHE", "sglang-0.5.23")
+
+
 def download(spec: str, cache: Path, package: str | None = None, env: dict | None = None) -> Path:
     """The unpacked Python package `package` (default: the distribution name with '-' as '_')
     of `spec` ("name==version"), from its wheel or, when PyPI has none, its sdist. `env` is added

@@ -409,7 +409,7 @@ def _critic_lora_updates(rank, world, model_dir):
     from RL2.utils.config import load_config
     from RL2.workers import lora
     from RL2.workers.critic import Critic
-    from tests.test_ppo_parallel import fixed_batch
+    from tests.run_utils import fixed_batch
 
     cfg = load_config("ppo", [f"actor.model_name={model_dir}", "data.train.path=unused",
                               "actor.rollout.env_path=unused", "adv.estimator=gae", "critic.lora.rank=4",

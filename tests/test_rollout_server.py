@@ -3,9 +3,6 @@ in-process TorchEngine, driven by the same client as a real `vllm serve` (VLLMSe
 greedy and seeded outputs equal, a weight push over rl2_gloo gives the trainer's log-probs and
 the version label, bad requests are clear 4xx errors in vLLM's error shape."""
 import asyncio
-import json
-import urllib.error
-import urllib.request
 
 import pytest
 import torch
@@ -13,7 +10,7 @@ from transformers import AutoModelForCausalLM
 
 from RL2.rollout.engine import SamplingParams, make_engine
 from RL2.rollout.torch_engine import TorchEngine
-from tests.server_utils import kill, start_server
+from tests.server_utils import kill, prompts, request, run, start_server
 
 
 @pytest.fixture(scope="module")
@@ -24,28 +21,6 @@ def server(assets, tmp_path_factory):
     yield address, client
     client.shutdown()
     kill(proc)
-
-
-def prompts(tok) -> list[list[int]]:
-    return [tok.encode(t) for t in ("What is 2 + 3?", "Hello there", "<|im_start|>user\n7 * 6")]
-
-
-def run(loop, coros):
-    async def go():
-        return await asyncio.gather(*coros)
-    return loop.run_until_complete(go())
-
-
-def request(address, method, path, body=None, raw: bytes | None = None):
-    data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
-    req = urllib.request.Request(f"http://{address}{path}", data=data, method=method,
-                                 headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=30) as resp:
-            text = resp.read()
-            return resp.status, json.loads(text) if text else None
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
 
 
 def trainer_logps(model, prompt, tokens, temperature):

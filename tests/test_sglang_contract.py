@@ -21,7 +21,7 @@ from RL2.rollout.sglang_engine import SGLangEngine, SGLangPeer, make_buckets, pa
 from RL2.rollout.weight_sync import WeightSync
 from RL2.utils.seeding import derive_seed
 from tests.dist_utils import run_dist
-from tests.fakes import SGLANG_ENGINE_METHODS, FakeSamplingParams, FakeSGLang, install_fake_sglang
+from tests.fakes import LORA_CONFIG, SGLANG_ENGINE_METHODS, FakeSamplingParams, FakeSGLang, install_fake_sglang, lora_tensors
 
 HAS_SGLANG = importlib.util.find_spec("sglang") is not None
 ALL = ["weights", "cuda_graph", "kv_cache"]
@@ -109,17 +109,6 @@ def test_adapter_maps_requests_and_outputs(fake_sglang):
     with pytest.raises(ValueError):
         engine.loop.run_until_complete(engine.generate([], params))
     engine.loop.close()
-
-
-LORA_CONFIG = {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"],
-               "bias": "none"}
-
-
-def lora_tensors(seed: int) -> list:
-    g = torch.Generator().manual_seed(seed)
-    prefix = "base_model.model.model.layers.0.self_attn"
-    return [(f"{prefix}.{m}.lora_{ab}.weight", torch.randn(shape, generator=g))
-            for m in ("q_proj", "v_proj") for ab, shape in (("A", (4, 8)), ("B", (8, 4)))]
 
 
 def test_fake_enforces_sglang_lora_rules(tmp_path):

@@ -18,12 +18,10 @@ from RL2.rollout.engine import SamplingParams
 from RL2.rollout.sglang_server import SGLangServerEngine, server_problems
 from RL2.rollout.torch_engine import TorchEngine
 from tests.run_utils import cfg_with, run_trainer
-from tests.server_utils import kill, start_fake_sglang, start_server
-from tests.sources import download, find, tree
-from tests.test_disaggregated import args, assert_same_run, colocated, disaggregated, env_path, rows  # noqa: F401
-from tests.test_disaggregated import test_inflight_updates_on_servers_keep_the_staleness_bound as inflight_run
-from tests.test_rollout_server import prompts, request, run
-from tests.test_sglang_source import CACHE, SGLANG
+from tests.server_utils import kill, prompts, request, run, start_fake_sglang, start_server
+from tests.sources import CACHE, SGLANG, download, find, tree
+from tests.disagg_utils import (args, assert_same_run, check_inflight_updates, colocated,  # noqa: F401
+                                disaggregated, env_path, rows)
 
 
 @pytest.fixture(scope="module")
@@ -136,7 +134,7 @@ def test_adapter_syncs_load_a_new_name_and_unload_the_previous(assets, tmp_path)
     """LoRA adapter-only sync to an SGLang server started with --enable-lora: each sync loads
     the adapter under a new name (a loaded name is refused), requests name it, the previous one
     is unloaded, the version label moves; an adapter beyond --max-lora-rank is refused."""
-    from tests.test_sglang_contract import LORA_CONFIG, lora_tensors
+    from tests.fakes import LORA_CONFIG, lora_tensors
 
     proc, address = start_fake_sglang(assets["model"], tmp_path / "lora.log", "--enable-lora",
                                       "--max-lora-rank", "4", "--lora-target-modules", "q_proj", "v_proj")
@@ -229,7 +227,7 @@ def test_inflight_updates_pause_sglang_servers_within_the_staleness_bound(assets
     """max_staleness=1, inflight_update=pause on SGLang servers: /pause_generation (abort) cuts
     running requests, the push lands mid-batch, /continue_generation resumes (the assertions of
     the RL2-server test: staleness <= 1, a batch mixing versions, no failures)."""
-    inflight_run(assets, fakes[0], tmp_path, "pause")
+    check_inflight_updates(assets, fakes[0], tmp_path, "pause")
 
 
 @pytest.mark.slow

@@ -10,11 +10,9 @@ import pytest
 
 from RL2.rollout import sglang_engine
 from tests.fakes import SGLANG_ENGINE_METHODS
-from tests.sources import cache_dir, download, find, params, tree
+from tests.sources import CACHE, SGLANG, download, find, params, tree
 
-SGLANG = "sglang==0.5.23"
 MEMORY_SAVER = "torch_memory_saver==0.0.10"  # what sglang 0.5.23 (>=0.0.9.post1) resolves to today
-CACHE = cache_dir("RL2_SGLANG_CACHE", "sglang-0.5.23")
 
 
 @pytest.fixture(scope="module")

@@ -19,13 +19,14 @@ import threading
 import time
 import urllib.parse
 import uuid
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 
 import torch
 import torch.distributed as dist
 
 from RL2.rollout.engine import SamplingParams
 from RL2.rollout.server import EngineServer, ServedEngine
+from RL2.rollout.server import Handler as ServerHandler
 
 logger = logging.getLogger("fake_sglang")
 
@@ -311,20 +312,8 @@ def routes(s: FakeSGLang) -> tuple[dict, dict]:
     return get, post
 
 
-class Handler(BaseHTTPRequestHandler):
-    get_routes: dict = {}
-    post_routes: dict = {}
-
-    def log_message(self, fmt, *args):
-        logger.debug("%s " + fmt, self.address_string(), *args)
-
-    def _send(self, code: int, payload) -> None:
-        data = b"" if payload is None else json.dumps(payload).encode()
-        self.send_response(code)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
+class Handler(ServerHandler):
+    """RL2's server handler (access log, JSON answers) with SGLang's (FastAPI's) error shapes."""
 
     def _dispatch(self, routes):
         url = urllib.parse.urlsplit(self.path)

@@ -1,6 +1,14 @@
-"""Request bodies of the RL2 engine server (RL2/rollout/server.py): vLLM's JSON shapes checked
-and turned into RL2 types. Every rejection is a `BadRequest` naming the field, which the server
-answers with a 400 in vLLM's `ErrorResponse` shape."""
+"""The HTTP side of engine servers: the clients' one bounded call (`http_call`, used by the
+vLLM-protocol and SGLang clients), and the request bodies of the RL2 engine server
+(RL2/rollout/server.py): vLLM's JSON shapes checked and turned into RL2 types. Every rejection is
+a `BadRequest` naming the field, which the server answers with a 400 in vLLM's `ErrorResponse`
+shape."""
+import http.client
+import json
+import time
+import urllib.error
+import urllib.request
+
 from RL2.rollout.engine import SamplingParams
 
 # vLLM SamplingParams keys this server honours; anything else is a 400 naming the key.
@@ -9,6 +17,44 @@ SAMPLING_KEYS = {"temperature", "top_p", "top_k", "max_tokens", "stop", "stop_to
                  "ignore_eos", "detokenize"}
 GENERATE_KEYS = {"request_id", "token_ids", "sampling_params", "model", "output_mode", "stream",
                  "return_token_ids", "priority"}
+
+
+def http_call(url: str, method: str, path: str, body=None, timeout: float = 600.0, text: bool = False,
+              who: str = "server"):
+    """One bounded JSON request; any failure (refused, timeout, HTTP error, a body cut short) is
+    a RuntimeError naming `who`, the server and the route (the pool retries or drops on it).
+    The answer parsed as JSON, or as text when `text` (vLLM's LoRA routes)."""
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url + path, data=data, method=method, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            raw = resp.read()
+    except urllib.error.HTTPError as e:
+        detail = e.read().decode(errors="replace")[:500]
+        raise RuntimeError(f"{who} {url}{path}: HTTP {e.code}: {detail}") from None
+    except (urllib.error.URLError, OSError, http.client.HTTPException) as e:
+        # HTTPException: e.g. IncompleteRead when the server dies while sending its answer
+        raise RuntimeError(f"{who} {url}{path} failed: {e}") from None
+    if text:
+        return raw.decode(errors="replace")
+    try:
+        return json.loads(raw) if raw else None
+    except ValueError as e:
+        raise RuntimeError(f"{who} {url}{path} failed: bad JSON ({e})") from None
+
+
+def wait_until_up(url: str, who: str, timeout_s: float, probe_timeout_s: float) -> None:
+    """GET /health every second until it answers (a server still loading its model refuses or
+    answers 503), at most `timeout_s`; then a RuntimeError with the last failure."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            http_call(url, "GET", "/health", timeout=probe_timeout_s, who=who)
+            return
+        except RuntimeError as e:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{who} {url} not reachable within {timeout_s:.0f} s: {e}") from None
+            time.sleep(1)
 
 
 class BadRequest(ValueError):

@@ -26,18 +26,14 @@ is NCCL with CUDA tensors (NOT RUN: no GPU here).
 import asyncio
 import concurrent.futures
 import datetime
-import http.client
-import json
 import logging
-import time
-import urllib.error
-import urllib.request
 import uuid
 
 import torch
 import torch.distributed as dist
 
 from RL2.rollout.engine import Engine, GenerationOutput, SamplingParams, check_prompt, close_loop, in_daemon_thread
+from RL2.rollout.server_protocol import http_call, wait_until_up
 from RL2.rollout.sglang_engine import make_buckets
 from RL2.utils.seeding import derive_seed
 from RL2.workers.lora import AdapterVersions
@@ -150,34 +146,11 @@ class SGLangServerEngine(Engine):
         self.adapters = AdapterVersions(lora_dir) if lora_rank else None
 
     def _wait_until_up(self, connect_timeout_s: float) -> None:
-        deadline = time.monotonic() + connect_timeout_s
-        while True:
-            try:  # 503 while the server is starting (hs:735)
-                self._http("GET", "/health", timeout=max(2.0, min(30.0, connect_timeout_s)))
-                return
-            except RuntimeError as e:
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"SGLang server {self.url} not reachable within "
-                                       f"{connect_timeout_s:.0f} s: {e}") from None
-                time.sleep(1)
+        # 503 while the server is starting (hs:735)
+        wait_until_up(self.url, "SGLang server", connect_timeout_s, max(2.0, min(30.0, connect_timeout_s)))
 
     def _http(self, method: str, path: str, body=None, timeout: float | None = None):
-        """One bounded request; any failure (refused, timeout, HTTP error) names the server."""
-        data = None if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(self.url + path, data=data, method=method,
-                                     headers={"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(req, timeout=timeout or self.timeout_s) as resp:
-                raw = resp.read()
-        except urllib.error.HTTPError as e:
-            detail = e.read().decode(errors="replace")[:500]
-            raise RuntimeError(f"SGLang server {self.url}{path}: HTTP {e.code}: {detail}") from None
-        except (urllib.error.URLError, OSError, http.client.HTTPException) as e:
-            raise RuntimeError(f"SGLang server {self.url}{path} failed: {e}") from None
-        try:
-            return json.loads(raw) if raw else None
-        except ValueError as e:
-            raise RuntimeError(f"SGLang server {self.url}{path} failed: bad JSON ({e})") from None
+        return http_call(self.url, method, path, body, timeout or self.timeout_s, who="SGLang server")
 
     async def _post(self, path: str, body=None):
         return await asyncio.get_running_loop().run_in_executor(self._pool, self._http, "POST", path, body)

@@ -8,14 +8,10 @@ to the server: the trainer needs no vLLM.
 """
 import asyncio
 import concurrent.futures
-import http.client
-import json
 import logging
-import time
-import urllib.error
-import urllib.request
 
 from RL2.rollout.engine import GenerationOutput
+from RL2.rollout.server_protocol import http_call, wait_until_up
 from RL2.rollout.vllm_engine import _VLLMBase, _finish
 from RL2.rollout.vllm_transfer import BACKEND, GlooSender, NcclSender
 from RL2.workers.lora import AdapterVersions
@@ -50,39 +46,11 @@ class VLLMServerEngine(_VLLMBase):
             self.adapters = AdapterVersions(lora_dir)
         # blocking HTTP calls run here: the default executor has only cores + 4 threads
         self._pool = concurrent.futures.ThreadPoolExecutor(64, thread_name_prefix="rl2-vllm-http")
-        deadline = time.monotonic() + connect_timeout_s
-        while True:
-            try:
-                self._http("GET", "/health", timeout=max(1.0, min(5.0, connect_timeout_s)))
-                break
-            except RuntimeError as e:
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"vLLM server {self.url} not reachable within "
-                                       f"{connect_timeout_s:.0f} s: {e}") from None
-                time.sleep(1)
+        wait_until_up(self.url, "vLLM server", connect_timeout_s, max(1.0, min(5.0, connect_timeout_s)))
         self.n_workers = int(self._http("GET", "/get_world_size")["world_size"])
 
     def _http(self, method: str, path: str, body=None, timeout: float | None = None, text: bool = False):
-        """One bounded request; any failure (refused, timeout, HTTP error) names the server.
-        The answer parsed as JSON, or as text when `text` (vLLM's LoRA routes)."""
-        data = None if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(self.url + path, data=data, method=method,
-                                     headers={"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(req, timeout=timeout or self.timeout_s) as resp:
-                raw = resp.read()
-        except urllib.error.HTTPError as e:
-            detail = e.read().decode(errors="replace")[:500]
-            raise RuntimeError(f"vLLM server {self.url}{path}: HTTP {e.code}: {detail}") from None
-        except (urllib.error.URLError, OSError, http.client.HTTPException) as e:
-            # HTTPException: e.g. IncompleteRead when the server dies while sending its answer
-            raise RuntimeError(f"vLLM server {self.url}{path} failed: {e}") from None
-        if text:
-            return raw.decode(errors="replace")
-        try:
-            return json.loads(raw) if raw else None
-        except ValueError as e:
-            raise RuntimeError(f"vLLM server {self.url}{path} failed: bad JSON ({e})") from None
+        return http_call(self.url, method, path, body, timeout or self.timeout_s, text, "vLLM server")
 
     async def _generate_one(self, prompt: list[int], sampling: dict) -> GenerationOutput:
         body = {"token_ids": prompt, "sampling_params": sampling, "output_mode": "tokens"}

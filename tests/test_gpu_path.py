@@ -264,9 +264,9 @@ def _rollout_choice(rank, world, model_path):
         env = SimpleNamespace(start=lambda: None)
         r = rollout_mod.Rollout(cfg, None, env, model_path, "cuda", seed=0)
     groups = []
-    real = dist.all_gather_object
-    with mock.patch.object(dist, "all_gather_object",
-                           lambda out, obj, group=None: (groups.append(group), real(out, obj, group=group))):
+    real = rollout_mod.gather_objects  # (one rank: no collective runs, but the group is named)
+    with mock.patch.object(rollout_mod, "gather_objects",
+                           lambda obj, group=None: (groups.append(group), real(obj, group))[1]):
         r.engine = None  # no trajectories: only the wait is exercised (then no result: KeyError)
         with pytest.raises(KeyError):
             r._generate([{"index": 0}], OmegaConf.create(dict(temperature=0.0)), 1, "t")

@@ -35,6 +35,7 @@ import torch.distributed as dist
 from RL2.rollout.engine import Engine, GenerationOutput, SamplingParams, check_prompt, close_loop, in_daemon_thread
 from RL2.rollout.server_protocol import http_call, wait_until_up
 from RL2.rollout.sglang_engine import make_buckets
+from RL2.rollout.vllm_transfer import gloo_group
 from RL2.utils.seeding import derive_seed
 from RL2.workers.lora import AdapterVersions
 
@@ -70,7 +71,7 @@ class UpdateGroup:
             options._timeout = self.timeout
             self.group = dist.ProcessGroupNCCL(store, 0, self.world_size, options)
         else:
-            self.group = dist.ProcessGroupGloo(store, 0, self.world_size, self.timeout)
+            self.group = gloo_group(store, 0, self.world_size, self.timeout, self.host)  # host: ours
 
     def send(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
         """One broadcast of the bucket as SGLang's FlattenedTensorBucket lays it out: each

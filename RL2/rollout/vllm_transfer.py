@@ -83,12 +83,19 @@ def open_group(host: str, port: int, rank: int, world_size: int, timeout_s: floa
     timeout = datetime.timedelta(seconds=timeout_s)
     if store is None:
         store = dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
+    return gloo_group(dist.PrefixStore("rl2_weights", store), rank, world_size, timeout,
+                      own_address or route_address(host, port))
+
+
+def gloo_group(store, rank: int, world_size: int, timeout: datetime.timedelta, own_address: str):
+    """A gloo group whose device binds to `own_address` (or GLOO_SOCKET_IFNAME's interface):
+    the address its peers are told to dial (see `open_group`)."""
     options = dist.ProcessGroupGloo._Options()
     options._timeout = timeout
     interface = os.environ.get("GLOO_SOCKET_IFNAME")
     options._devices = [dist.ProcessGroupGloo.create_device(interface=interface) if interface else
-                        dist.ProcessGroupGloo.create_device(hostname=own_address or route_address(host, port))]
-    return dist.ProcessGroupGloo(dist.PrefixStore("rl2_weights", store), rank, world_size, options)
+                        dist.ProcessGroupGloo.create_device(hostname=own_address)]
+    return dist.ProcessGroupGloo(store, rank, world_size, options)
 
 
 def make_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]],

@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from RL2.parallel.collectives import group_device
+from RL2.parallel.collectives import gather_objects, group_device
 from RL2.rollout.shm import SHM_DIR, SharedFile
 from RL2.rollout.weight_layout import ALIGN, Region, gather_plan, padded, piece, plan
 
@@ -144,8 +144,7 @@ class WeightSync:
             free = stat.f_bavail * stat.f_frsize
         except OSError:
             free = 0
-        facts = [None] * dist.get_world_size()
-        dist.all_gather_object(facts, (socket.gethostname(), free))
+        facts = gather_objects((socket.gethostname(), free))
         if len({host for host, _ in facts}) > 1:
             return "ranks on several hosts"
         self._shm_free = min(f for _, f in facts)
@@ -167,8 +166,7 @@ class WeightSync:
         """Bucket layout and, once, which part of every tensor each rank packs (one object
         all-gather): per bucket and rank, the (region, slices, byte offset) pieces."""
         self._regions = self._plan(self.bucket_bytes)
-        indices = [None] * dist.get_world_size()
-        dist.all_gather_object(indices, [r.index for r in self._regions])
+        indices = gather_objects([r.index for r in self._regions])
         self._pieces, self._segment = gather_plan(self._regions, indices)
 
     def _stream_gathered(self) -> Iterator[tuple[str, torch.Tensor]]:

@@ -44,7 +44,8 @@ def supports(model) -> bool:
 
 
 def _linear(x: torch.Tensor, proj) -> torch.Tensor:
-    # the functional call skips nn.Module dispatch (~7 per layer per step)
+    # the functional call skips nn.Module dispatch (~7 per layer per step); callers may pass
+    # another `linear(x, proj)` (the runner's oneDNN-packed weights, RL2/utils/onednn.py)
     return F.linear(x, proj.weight, proj.bias)
 
 
@@ -62,34 +63,36 @@ def _norm(norm, x: torch.Tensor) -> torch.Tensor:
     return F.rms_norm(x, norm.weight.shape, norm.weight, norm.variance_epsilon)
 
 
-def _qkv(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+def _qkv(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, linear=_linear):
     """Rotated queries and keys, and values, as [tokens, heads, head_dim] (x: [tokens, hidden])."""
     attn = layer.self_attn
     d, n = attn.head_dim, x.shape[0]
     h = _norm(layer.input_layernorm, x)
-    q = _linear(h, attn.q_proj).view(n, -1, d)
-    k = _linear(h, attn.k_proj).view(n, -1, d)
-    v = _linear(h, attn.v_proj).view(n, -1, d)
+    q = linear(h, attn.q_proj).view(n, -1, d)
+    k = linear(h, attn.k_proj).view(n, -1, d)
+    v = linear(h, attn.v_proj).view(n, -1, d)
     if hasattr(attn, "q_norm"):  # Qwen3: per-head RMSNorm before RoPE
         q, k = _norm(attn.q_norm, q), _norm(attn.k_norm, k)
     qk = _rotate(torch.cat([q, k], dim=1), cos, sin)  # one elementwise pass for both
     return qk[:, :q.shape[1]], qk[:, q.shape[1]:], v
 
 
-def _finish_layer(layer, x: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+def _finish_layer(layer, x: torch.Tensor, attn_out: torch.Tensor, linear=_linear) -> torch.Tensor:
     """Output projection, residuals and MLP of one decoder layer (x: the layer's input)."""
-    x = x + _linear(attn_out, layer.self_attn.o_proj)
+    x = x + linear(attn_out, layer.self_attn.o_proj)
     h = _norm(layer.post_attention_layernorm, x)
     mlp = layer.mlp
-    return x + _linear(F.silu(_linear(h, mlp.gate_proj)) * _linear(h, mlp.up_proj), mlp.down_proj)
+    return x + linear(F.silu(linear(h, mlp.gate_proj)) * linear(h, mlp.up_proj), mlp.down_proj)
 
 
-def _logits(model, x: torch.Tensor) -> torch.Tensor:
-    return model.lm_head(_norm(model.model.norm, x))
+def _logits(model, x: torch.Tensor, linear=_linear) -> torch.Tensor:
+    h = _norm(model.model.norm, x)
+    head = model.lm_head
+    return linear(h, head) if isinstance(head, torch.nn.Linear) else head(h)
 
 
 @torch.inference_mode()
-def prefill(model, suffixes: list[list[int]], prefixes: list, device):
+def prefill(model, suffixes: list[list[int]], prefixes: list, device, linear=_linear):
     """Run the new tokens of P prompts. suffixes[i]: token ids not cached yet; prefixes[i]: None
     or per-layer (keys, values) [kv_heads, n_i, head_dim] of the prompt's first n_i tokens.
 
@@ -108,7 +111,7 @@ def prefill(model, suffixes: list[list[int]], prefixes: list, device):
     cos, sin = cos[0, :, None], sin[0, :, None]                  # [N, 1, D]
     keys, values = [], []
     for li, layer in enumerate(body.layers):
-        q, k, v = _qkv(layer, x, cos, sin)
+        q, k, v = _qkv(layer, x, cos, sin, linear)
         kbuf = k.new_zeros(len(suffixes), k.shape[1], width, k.shape[2])
         vbuf = torch.zeros_like(kbuf)
         outs, offset = [], 0
@@ -123,9 +126,9 @@ def prefill(model, suffixes: list[list[int]], prefixes: list, device):
             offset += s
         keys.append(kbuf)
         values.append(vbuf)
-        x = _finish_layer(layer, x, torch.cat(outs))
+        x = _finish_layer(layer, x, torch.cat(outs), linear)
     last = torch.tensor(lens, device=device).sub(torch.tensor(n_prefix, device=device)).cumsum(0) - 1
-    return _logits(model, x.index_select(0, last)), keys, values, torch.tensor(lens, device=device)
+    return _logits(model, x.index_select(0, last), linear), keys, values, torch.tensor(lens, device=device)
 
 
 def _attend_prompt(attn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_prefix: int):
@@ -142,7 +145,7 @@ def _attend_prompt(attn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_pr
 
 
 @torch.inference_mode()
-def decode(model, tokens: torch.Tensor, kv) -> torch.Tensor:
+def decode(model, tokens: torch.Tensor, kv, linear=_linear) -> torch.Tensor:
     """Logits [B, vocab] of the next token of each row of `kv` (a `BatchKV` with a free column at
     `kv.end`, where this step's keys and values are written; the caller advances it).
     tokens: [B] the last sampled token of each row, at position `kv.lens`."""
@@ -153,12 +156,12 @@ def decode(model, tokens: torch.Tensor, kv) -> torch.Tensor:
     cos, sin = cos[0, :, None], sin[0, :, None]                  # [B, 1, D]
     bias = kv.bias(dtype=x.dtype)                                # [B, 1, 1, W]
     for li, layer in enumerate(body.layers):
-        q, k, v = _qkv(layer, x, cos, sin)                       # [B, heads, D]
+        q, k, v = _qkv(layer, x, cos, sin, linear)               # [B, heads, D]
         keys, values = kv.write(li, k, v)                        # [B, kv_heads, W, D]
         # one row's query heads of a group as a query block: [B, kv_heads, G, D] against the
         # unexpanded cache (no copy of K/V per group), the padding as an additive bias
         qg = q.view(rows, keys.shape[1], -1, q.shape[-1])
         out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=bias,
                                              scale=layer.self_attn.scaling)
-        x = _finish_layer(layer, x, out.reshape(rows, -1))
-    return _logits(model, x)
+        x = _finish_layer(layer, x, out.reshape(rows, -1), linear)
+    return _logits(model, x, linear)

@@ -4,7 +4,9 @@ Both keep their rows in the order the scheduler keeps its samples: `join` append
 drops rows and returns the new order (old index per new row).
 
 - `KVRunner` (Llama-family models, the default): our own forward (`llama_forward.py`) over our
-  own KV buffers (`kv_cache.BatchKV`). Nothing of transformers' cache API is used.
+  own KV buffers (`kv_cache.BatchKV`). Nothing of transformers' cache API is used. On the CPU
+  its linear layers use oneDNN-packed copies of the weights (`RL2/utils/onednn.py`; dropped by
+  `weights_changed`, rebuilt on the next step).
 - `RecomputeRunner` (every other architecture, or `own_forward=False`): the HF forward over
   each row's whole context at every step, with no KV cache at all. Quadratic in the length, but
   it relies only on the forward's public arguments (`input_ids`, `attention_mask`,
@@ -15,23 +17,29 @@ import torch
 
 from RL2.rollout import llama_forward
 from RL2.rollout.kv_cache import BatchKV
+from RL2.utils.onednn import PackedLinears
 
 
 class KVRunner:
     caches_prefixes = True  # rows' KV can be kept for later prompts (`row_kv`)
 
-    def __init__(self, model, device):
+    def __init__(self, model, device, onednn: bool = True):
         self.model, self.device = model, device
+        self.linear = PackedLinears(enabled=onednn)
         self.reset()
 
     def reset(self) -> None:
         self.kv = BatchKV()
         self._staged = None
 
+    def weights_changed(self) -> None:
+        self.linear.clear()
+
     def prefill(self, prompts: list[list[int]], hits: list[tuple[int, list | None]]) -> torch.Tensor:
         """Last-token logits [P, vocab] of each prompt; hits[i] = (cached tokens, their KV)."""
         logits, *self._staged = llama_forward.prefill(
-            self.model, [p[n:] for p, (n, _) in zip(prompts, hits)], [kv for _, kv in hits], self.device)
+            self.model, [p[n:] for p, (n, _) in zip(prompts, hits)], [kv for _, kv in hits], self.device,
+            self.linear)
         return logits
 
     def join(self, src: list[int], room: int) -> None:
@@ -45,7 +53,7 @@ class KVRunner:
 
     def decode(self, last: torch.Tensor) -> torch.Tensor:
         self.kv.reserve(1)
-        logits = llama_forward.decode(self.model, last, self.kv)
+        logits = llama_forward.decode(self.model, last, self.kv, self.linear)
         self.kv.advance()
         return logits
 
@@ -70,6 +78,9 @@ class RecomputeRunner:
     def reset(self) -> None:
         self.contexts: list[list[int]] = []
         self._staged = None
+
+    def weights_changed(self) -> None:
+        pass
 
     @torch.inference_mode()
     def _forward(self, seqs: list[list[int]]) -> torch.Tensor:
@@ -98,8 +109,8 @@ class RecomputeRunner:
         return rows
 
 
-def make_runner(model, device, own_forward: bool = True):
+def make_runner(model, device, own_forward: bool = True, onednn: bool = True):
     if own_forward and llama_forward.supports(model):
-        return KVRunner(model, device)
+        return KVRunner(model, device, onednn)
     return RecomputeRunner(model, device)
 

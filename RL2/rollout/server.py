@@ -328,6 +328,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-batch-size", type=int, default=256)
     p.add_argument("--seed", type=int, default=0, help="for requests without a seed")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--cpu-matmul", default="onednn", choices=["onednn", "aten"],
+                   help="linear layers on the CPU: oneDNN-packed weights or PyTorch's default BLAS")
     return p
 
 
@@ -338,7 +340,8 @@ def main(argv=None):
         torch.set_num_threads(args.threads)
     engine = ServedEngine(args.model, args.tokenizer or args.model, device=args.device,
                           dtype=args.dtype, max_model_len=args.max_model_len,
-                          max_batch_size=args.max_batch_size, seed=args.seed)
+                          max_batch_size=args.max_batch_size, seed=args.seed,
+                          cpu_matmul=args.cpu_matmul)
     server = EngineServer(engine, args.model)
     # listen backlog: the stdlib default (5) resets connections when a trainer sends a burst
     ThreadingHTTPServer.request_queue_size = 1024

@@ -40,6 +40,7 @@ from RL2.rollout.engine import Engine, GenerationOutput, SamplingParams, check_p
 from RL2.rollout.model_runner import make_runner
 from RL2.rollout.prefix_cache import PrefixCache
 from RL2.rollout.sampling import Request, Seq, sample
+from RL2.utils.onednn import check_choice
 
 logger = logging.getLogger(__name__)
 
@@ -53,14 +54,16 @@ class TorchEngine(Engine):
                  dtype: torch.dtype | str = torch.float32, max_model_len: int | None = None,
                  max_batch_size: int = 256, max_prefill_tokens: int = 16384,
                  prefix_cache_mb: float = 512, attn_implementation: str = "sdpa",
-                 offload_weights: bool = True, own_forward: bool = True, seed: int = 0):
+                 offload_weights: bool = True, own_forward: bool = True, seed: int = 0,
+                 cpu_matmul: str = "onednn"):
         """`model`: HF directory or an nn.Module (used as is, not copied). `tokenizer`: HF
         tokenizer, a path, or None (then no stop strings and no implicit eos). `offload_weights`:
         release_memory also moves the weights to CPU (only when the device is not CPU).
         `prefix_cache_mb`: memory for the KV of finished samples, kept for reuse by later prompts
         that extend them (0 disables). `own_forward`: Llama-family models run through
         `llama_forward.py` over the engine's KV buffers (False: every model uses the HF forward
-        without a cache, as other architectures always do; for tests)."""
+        without a cache, as other architectures always do; for tests). `cpu_matmul`: "onednn"
+        (linear layers on oneDNN-packed weights on the CPU, RL2/utils/onednn.py) or "aten"."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         if isinstance(dtype, str):
@@ -75,7 +78,8 @@ class TorchEngine(Engine):
         if isinstance(tokenizer, str):
             tokenizer = AutoTokenizer.from_pretrained(tokenizer)
         self.tokenizer = tokenizer
-        self.runner = make_runner(self.model, self.device, own_forward)
+        self.runner = make_runner(self.model, self.device, own_forward,
+                                  onednn=check_choice(cpu_matmul, "cpu_matmul") == "onednn")
         self.own_forward = self.runner.caches_prefixes
         cfg = self.model.config.get_text_config(decoder=True)
         self.vocab_size = self.model.get_output_embeddings().weight.shape[0]
@@ -120,7 +124,7 @@ class TorchEngine(Engine):
     @torch.no_grad()
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         # keep_vars gives the live parameters; tied weights appear under both names.
-        self.prefix_cache.clear()  # cached KV belongs to the old weights
+        self.weights_changed()
         targets = self.model.state_dict(keep_vars=True)
         if self._weights_shared:  # never write into memory the trainer owns: own a copy first
             with torch.no_grad():
@@ -163,13 +167,14 @@ class TorchEngine(Engine):
         problem = self._share_mismatch(named, targets)  # all checked first: no half-shared model
         if problem:
             raise ValueError(f"share_weights: {problem}")
-        self.prefix_cache.clear()
+        self.weights_changed()
         self._weights_shared = True
         for name, tensor in named:
             targets[name].data = tensor  # tied weights: one parameter under two names, same values
 
     def weights_changed(self) -> None:
         self.prefix_cache.clear()  # cached KV belongs to the old weights
+        self.runner.weights_changed()  # and so do packed copies of them
 
     def weights_shared(self) -> bool:
         return self._weights_shared
@@ -179,7 +184,7 @@ class TorchEngine(Engine):
         moves the weights to CPU when offload_weights is set and the device is not CPU."""
         tags = set(tags or ("weights", "kv_cache"))
         self._abort_all()
-        self.prefix_cache.clear()
+        self.weights_changed()  # also frees the packed weights until the next step
         if "weights" in tags and self.offload_weights and self.device.type != "cpu":
             self.model.to("cpu")
         self._released |= tags

@@ -13,6 +13,7 @@ from RL2.parallel.attention import PackedContext, packed_kwargs
 from RL2.parallel.collectives import gather_objects
 from RL2.parallel.fsdp import parallelize
 from RL2.parallel.mesh import ParallelDims
+from RL2.utils import onednn
 from RL2.utils.config import resolve_dtype
 from RL2.workers import lora
 from RL2.workers.loading import load_sharded
@@ -45,6 +46,7 @@ class Worker:
         self.cfg, self.device, self.value_head, self.train = cfg, device, value_head, train
         self.dims = ParallelDims(dist.get_world_size(), cfg.ddp_size, cfg.tp_size, cfg.sp_size, device)
         self.compute_dtype = resolve_dtype(cfg.dtype, device)
+        cpu_matmul = onednn.check_choice(cfg.get("cpu_matmul", "onednn"), "cpu_matmul")
         # Master weights stay fp32 (fp64 when asked for, e.g. exactness tests).
         master = torch.float64 if self.compute_dtype == torch.float64 else torch.float32
         torch.manual_seed(seed)  # a fresh value head is drawn on rank 0 and broadcast
@@ -68,6 +70,9 @@ class Worker:
 
         self.model = load_sharded(cfg.model_name, value_head, master, cfg.trust_remote_code,
                                   shard, where, prepare)
+        if cpu_matmul == "onednn" and device == "cpu":
+            n = onednn.use_for_linears(self.model)  # TP's DTensor weights keep F.linear
+            logger.info("cpu_matmul=onednn: %d linear layers computed by oneDNN", n)
         self.config = self.model.config
         self.capacity = token_capacity(cfg)
         self.optimizer = self.scheduler = None

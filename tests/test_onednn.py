@@ -1,0 +1,143 @@
+"""oneDNN linear layers on the CPU (RL2/utils/onednn.py): the same numbers as F.linear within fp32
+rounding, forward and backward, in training (worker models) and in the torch engine (packed
+weights, refreshed whenever the weights change)."""
+import asyncio
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from RL2.rollout.engine import SamplingParams
+from RL2.rollout.torch_engine import TorchEngine
+from RL2.utils import onednn
+from tests.run_utils import assert_close, run_trainer, sft_args, train_rows
+
+pytestmark = pytest.mark.skipif(not onednn.available(), reason="this torch has no oneDNN")
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    """Counts the oneDNN products actually run (a path that silently fell back to F.linear
+    would pass every numeric check)."""
+    calls = {"n": 0}
+    real = onednn._mm
+
+    def mm(*args):
+        calls["n"] += 1
+        return real(*args)
+    monkeypatch.setattr(onednn, "_mm", mm)
+    return calls
+
+
+def model(seed=0, hidden=256, layers=2):
+    torch.manual_seed(seed)
+    cfg = Qwen2Config(vocab_size=512, hidden_size=hidden, intermediate_size=2 * hidden,
+                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=256)
+    return Qwen2ForCausalLM(cfg)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_linear_forward_and_gradients_match_float64(counted, bias):
+    torch.manual_seed(0)
+    x = torch.randn(3, 70, 384, requires_grad=True)  # 3-D input, rows not a multiple of a block
+    w = torch.randn(192, 384, requires_grad=True)
+    b = torch.randn(192, requires_grad=True) if bias else None
+    g = torch.randn(3, 70, 192)
+    y = onednn.linear(x, w, b)
+    y.backward(g)
+    assert counted["n"] == 3  # forward, input grad, weight grad
+    ref = [t.detach().double().requires_grad_() for t in (x, w)] + (
+        [b.detach().double().requires_grad_()] if bias else [None])
+    y_ref = F.linear(*ref)
+    y_ref.backward(g.double())
+    # fp32 products over 384 (forward) and 210 (weight grad) terms: ~1e-6 relative of |x||w|
+    torch.testing.assert_close(y.double(), y_ref, rtol=0, atol=1e-4)
+    torch.testing.assert_close(x.grad.double(), ref[0].grad, rtol=0, atol=1e-4)
+    torch.testing.assert_close(w.grad.double(), ref[1].grad, rtol=0, atol=1e-4)
+    if bias:
+        torch.testing.assert_close(b.grad.double(), ref[2].grad, rtol=1e-6, atol=1e-5)
+
+
+def test_linear_falls_back_where_onednn_does_not_apply(counted):
+    w = torch.randn(8, 16, dtype=torch.float64)
+    x = torch.randn(4, 16, dtype=torch.float64)
+    assert torch.equal(onednn.linear(x, w), F.linear(x, w))  # float64: no oneDNN kernel
+    assert torch.equal(onednn.linear(torch.randn(0, 16), w.float()), torch.randn(0, 8) * 0)
+    assert counted["n"] == 0
+
+
+def test_model_loss_and_gradients_match_aten(counted):
+    ids = torch.randint(0, 512, (2, 96))
+    ref, fast = model(), model()
+    assert onednn.use_for_linears(fast) == 2 * 7 + 1  # 7 per layer + lm_head
+    losses = []
+    for m in (ref, fast):
+        loss = m(input_ids=ids, labels=ids).loss
+        loss.backward()
+        losses.append(loss.item())
+    assert counted["n"] == 3 * 15
+    assert abs(losses[0] - losses[1]) < 1e-5 * losses[0]
+    for (name, p), q in zip(ref.named_parameters(), fast.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_packed_weights_follow_weight_changes(counted):
+    lin = torch.nn.Linear(256, 128)
+    packed = onednn.PackedLinears()
+    x = torch.randn(16, 256)
+    with torch.no_grad():
+        torch.testing.assert_close(packed(x, lin), F.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
+        lin.weight.mul_(2)  # in place: the packed copy is stale until the owner says so
+        assert not torch.allclose(packed(x, lin), F.linear(x, lin.weight, lin.bias), atol=1e-3)
+        packed.clear()
+        torch.testing.assert_close(packed(x, lin), F.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
+        lin.weight.data = torch.randn(128, 256)  # new storage: repacked without being told
+        torch.testing.assert_close(packed(x, lin), F.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
+    assert counted["n"] == 4
+
+
+def generate(engine, prompts, n=24):
+    async def run():
+        params = SamplingParams(temperature=0, max_new_tokens=n)
+        return await asyncio.gather(*[engine.generate(p, params) for p in prompts])
+    return [out[0] for out in asyncio.run(run())]
+
+
+def test_engine_matches_aten_engine_and_sees_weight_updates(counted):
+    m = model(seed=1).eval()
+    prompts = [[(7 * i + j) % 512 for j in range(5 + 3 * i)] for i in range(6)]
+    aten = TorchEngine(m, None, cpu_matmul="aten")
+    want = generate(aten, prompts)
+    assert counted["n"] == 0
+    fast = TorchEngine(model(seed=1).eval(), None)  # default: onednn
+    got = generate(fast, prompts)
+    assert counted["n"] > 0
+    for a, b in zip(want, got):
+        assert a.token_ids == b.token_ids
+        torch.testing.assert_close(torch.tensor(b.logprobs), torch.tensor(a.logprobs), rtol=0, atol=1e-4)
+    # new weights (in place, as a colocated sync writes them): the packed copies are rebuilt
+    other = model(seed=2)
+    fast.update_weights(other.state_dict().items())
+    aten.update_weights(other.state_dict().items())
+    assert [o.token_ids for o in generate(fast, prompts)] == [o.token_ids for o in generate(aten, prompts)]
+
+
+def test_bad_choice_is_refused_by_name():
+    with pytest.raises(ValueError, match="cpu_matmul='mkl'"):
+        TorchEngine(model(), None, cpu_matmul="mkl")
+
+
+def test_sft_with_onednn_matches_aten(assets, tmp_path):
+    runs = {}
+    for choice in ("aten", "onednn"):
+        runs[choice] = tmp_path / choice
+        proc = run_trainer("sft", 1, sft_args(assets, "actor.dtype=float32", f"actor.cpu_matmul={choice}"),
+                           runs[choice])
+        # the worker says it switched (15 layers: 7 per decoder layer + lm_head), only when asked
+        assert ("cpu_matmul=onednn: 15 linear layers" in proc.stderr) == (choice == "onednn")
+    for key in ("train/loss", "train/grad_norm"):
+        assert_close(train_rows(runs["onednn"], key), train_rows(runs["aten"], key), 1e-5, key)
+    proc = run_trainer("sft", 1, sft_args(assets, "actor.cpu_matmul=mkl"), tmp_path / "bad", check=False)
+    assert proc.returncode != 0 and "cpu_matmul='mkl'" in proc.stderr + proc.stdout

@@ -197,6 +197,7 @@ def test_refills_are_bounded_and_failures_over_budget_stop_the_run(tmp_path, mon
     (["actor.strict_on_policy=true", "actor.update_epochs=2"], "strict_on_policy needs an on-policy"),
     (["actor.strict_on_policy=true", "actor.update_per_rollout=2"], "strict_on_policy needs an on-policy"),
     (["actor.rollout.max_staleness=1", "actor.rollout.engine=vllm"], "needs actor.rollout.engine=torch"),
+    (["actor.rollout.torch.cpu_matmul=mkl"], "actor.rollout.torch.cpu_matmul='mkl'"),
 ])
 def test_bad_configs_stop_with_the_key_to_change(overrides, message):
     with pytest.raises(SystemExit, match=message):

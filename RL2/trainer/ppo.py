@@ -1,7 +1,6 @@
 """PPO / GRPO / Dr. GRPO / REINFORCE(++) / RLOO with async multi-turn environments.
 
-    torchrun --nproc_per_node=N -m RL2.trainer.ppo actor.model_name=... data.train.path=... \
-        actor.rollout.env_path=envs/countdown.py
+    torchrun --nproc_per_node=N -m RL2.trainer.ppo actor.model_name=... actor.rollout.env_path=...
 
 One step: rollout -> reference log-probs -> values -> old log-probs -> advantages -> actor and
 critic updates -> weight sync to the engine. The algorithm variant is configuration only
@@ -31,7 +30,7 @@ from RL2.rollout.remote import check_placement
 from RL2.rollout.rollout import Rollout, check_lora_sync
 from RL2.rollout.weight_sync import TRANSPORTS
 from RL2.trainer.base import AdaptersOff, Trainer
-from RL2.utils import checkpoint
+from RL2.utils import checkpoint, onednn
 from RL2.utils.seeding import derive_seed
 from RL2.workers.actor import Actor
 
@@ -116,6 +115,8 @@ def _rollout_problems(r) -> list[str]:
                         f"test_responses_per_prompt={r.test_responses_per_prompt}]")
     if r.weight_sync not in TRANSPORTS:
         problems.append(f"actor.rollout.weight_sync={r.weight_sync!r}: use one of {TRANSPORTS}")
+    if r.torch.get("cpu_matmul", "onednn") not in onednn.CHOICES:  # (workers check their own)
+        problems.append(f"actor.rollout.torch.cpu_matmul={r.torch.cpu_matmul!r}: use one of {onednn.CHOICES}")
     if r.bucket_mb <= 0:
         problems.append(f"actor.rollout.bucket_mb={r.bucket_mb} must be > 0")
     if r.env_workers < 0:

@@ -186,7 +186,7 @@ def _shm_setup_fails(rank, world):
     dist.barrier()
     pid = [os.getpid()]
     dist.broadcast_object_list(pid, src=0)
-    return {"error": error, "left": glob.glob(f"/dev/shm/rl2-weights-{pid[0]}-*")}
+    return {"error": error, "left": glob.glob(f"/dev/shm/rl2-weight-sync-{pid[0]}-*")}
 
 
 def test_shm_setup_failure_reaches_every_rank_and_cleans_up():

@@ -29,7 +29,8 @@ def apply_activation_checkpointing(model: nn.Module):
 
 
 def apply_fsdp(model: nn.Module, dims: ParallelDims, param_dtype: torch.dtype,
-               offload_params: bool = False, reshard_after_forward: bool = True):
+               offload_params: bool = False, reshard_after_forward: bool = True,
+               cpu_comm: str = "shm"):
     """Shard with FSDP2.
 
     Steps:
@@ -37,7 +38,9 @@ def apply_fsdp(model: nn.Module, dims: ParallelDims, param_dtype: torch.dtype,
     2. the root unit keeps embeddings, final norm and the head together, so a tied
        embedding / lm_head stays one parameter;
     3. gradients are SUMMED over the data-parallel ranks (divide factor 1): losses are already
-       normalised by global token / sequence counts, so averaging would divide twice.
+       normalised by global token / sequence counts, so averaging would divide twice;
+    4. on the CPU with cpu_comm="shm", the units' all-gathers and reduce-scatters go through
+       shared memory when the ranks share a host (RL2/parallel/host_comm.py), not gloo's TCP.
     """
     reduce_dtype = torch.float64 if param_dtype == torch.float64 else torch.float32
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
@@ -52,12 +55,17 @@ def apply_fsdp(model: nn.Module, dims: ParallelDims, param_dtype: torch.dtype,
             # Plain SUM collectives with no scaling (gloo has no PREMUL_SUM).
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)
+    if dims.device_type == "cpu" and cpu_comm == "shm" and dims.fsdp > 1:
+        from RL2.parallel import host_comm
+
+        host_comm.install(model)
     kind = "HSDP" if dims.ddp > 1 else "FSDP"
     logger.info(f"Applied {kind} to the model (ddp={dims.ddp}, fsdp={dims.fsdp})")
 
 
 def parallelize(model: nn.Module, dims: ParallelDims, *, param_dtype: torch.dtype,
-                gradient_checkpointing: bool = False, offload_params: bool = False):
+                gradient_checkpointing: bool = False, offload_params: bool = False,
+                cpu_comm: str = "shm"):
     """The one place that decides how a model is parallelised."""
     if dims.tp > 1:
         from RL2.parallel.tensor_parallel import apply_tp
@@ -65,5 +73,5 @@ def parallelize(model: nn.Module, dims: ParallelDims, *, param_dtype: torch.dtyp
         apply_tp(model, dims.tp_mesh)  # validates head/vocab divisibility first
     if gradient_checkpointing:
         apply_activation_checkpointing(model)
-    apply_fsdp(model, dims, param_dtype, offload_params)
+    apply_fsdp(model, dims, param_dtype, offload_params, cpu_comm=cpu_comm)
     return model

@@ -1,5 +1,6 @@
-"""The shared-memory transport's host-local pieces (RL2/rollout/weight_sync.py, transport "shm"):
-a file in /dev/shm mapped by every rank of the host, and a barrier over named pipes."""
+"""Host-local shared memory: a file in /dev/shm mapped by every rank of a group on one host, and
+a barrier over named pipes. Used by the weight sync's "shm" transport (RL2/rollout/weight_sync.py)
+and by FSDP's CPU collectives (RL2/parallel/host_comm.py)."""
 import mmap
 import os
 import select
@@ -23,8 +24,9 @@ class PipeBarrier:
     def paths(prefix: str, world: int) -> list[str]:
         return [f"{prefix}-up"] + [f"{prefix}-down{r}" for r in range(1, world)]
 
-    def __init__(self, prefix: str):
-        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+    def __init__(self, prefix: str, group=None, what: str = "weight sync"):
+        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+        self.what = what
         paths = self.paths(prefix, self.world)
         mine = paths if self.rank == 0 else [paths[0], paths[self.rank]]
         self._fds: list[int] = []
@@ -39,7 +41,7 @@ class PipeBarrier:
         got = 0
         while got < n:
             if not poll.poll(self.TIMEOUT * 1000):
-                raise TimeoutError(f"weight sync: rank {self.rank} waited {self.TIMEOUT:.0f} s for "
+                raise TimeoutError(f"{self.what}: rank {self.rank} waited {self.TIMEOUT:.0f} s for "
                                    "the other ranks of this host (did one of them die?)")
             got += len(os.read(fd, n - got))
 
@@ -67,16 +69,17 @@ class PipeBarrier:
 
 
 class SharedFile:
-    """`halves` buffers of `size` bytes in one shared-memory file mapped by every rank, and a
-    barrier over pipes. The names are removed as soon as every rank has opened them, so nothing
-    is left behind on a crash; a failure on any rank fails every rank (no hang)."""
+    """`halves` buffers of `size` bytes in one shared-memory file mapped by every rank of `group`
+    (all on one host), and a barrier over pipes. The names are removed as soon as every rank has
+    opened them, so nothing is left behind on a crash; a failure on any rank fails every rank
+    (no hang). `what` names the user in file names and errors."""
 
-    def __init__(self, size: int, halves: int):
+    def __init__(self, size: int, halves: int, group=None, what: str = "weight sync"):
         self.size = size
-        rank, world = dist.get_rank(), dist.get_world_size()
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
         box = [None, None]  # [path, error creating it]
         if rank == 0:
-            box[0] = os.path.join(SHM_DIR, f"rl2-weights-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+            box[0] = os.path.join(SHM_DIR, f"rl2-{what.replace(' ', '-')}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
             try:
                 with open(box[0], "wb") as f:
                     f.truncate(halves * size)
@@ -84,19 +87,19 @@ class SharedFile:
                     os.mkfifo(fifo, 0o600)
             except OSError as e:
                 box[1] = f"rank 0 could not create {box[0]}: {e}"
-        dist.broadcast_object_list(box, src=0)
+        dist.broadcast_object_list(box, group=group, group_src=0)
         path, error = box
         self._barrier, self._map = None, None
         if error is None:
             try:
                 with open(path, "r+b") as f:
                     self._map = mmap.mmap(f.fileno(), halves * size)
-                self._barrier = PipeBarrier(path)
+                self._barrier = PipeBarrier(path, group, what)
             except OSError as e:
                 error = f"rank {rank} could not open {path}: {e}"
         # one collective: everyone has opened the names (they can go) and agrees on success
         errors = [None] * world
-        dist.all_gather_object(errors, error)
+        dist.all_gather_object(errors, error, group=group)
         if rank == 0:
             for name in [path, *PipeBarrier.paths(path, world)]:
                 if os.path.exists(name):
@@ -105,7 +108,7 @@ class SharedFile:
         if failed:
             if self._barrier is not None:
                 self._barrier.close()
-            raise RuntimeError("weight sync: shared-memory setup failed: " + "; ".join(failed))
+            raise RuntimeError(f"{what}: shared-memory setup failed: " + "; ".join(failed))
         self.buffer = torch.frombuffer(self._map, dtype=torch.uint8)
 
     def view(self, half: int, region) -> torch.Tensor:

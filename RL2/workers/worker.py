@@ -9,6 +9,7 @@ from omegaconf import DictConfig
 
 from RL2.algorithms.losses import upcast
 from RL2.data.packing import MicroBatch, pack, plan_micro_batches, token_capacity, unpack
+from RL2.parallel import host_comm
 from RL2.parallel.attention import PackedContext, packed_kwargs
 from RL2.parallel.collectives import gather_objects
 from RL2.parallel.fsdp import parallelize
@@ -47,6 +48,7 @@ class Worker:
         self.dims = ParallelDims(dist.get_world_size(), cfg.ddp_size, cfg.tp_size, cfg.sp_size, device)
         self.compute_dtype = resolve_dtype(cfg.dtype, device)
         cpu_matmul = onednn.check_choice(cfg.get("cpu_matmul", "onednn"), "cpu_matmul")
+        cpu_comm = host_comm.check_choice(cfg.get("cpu_comm", "shm"), "cpu_comm")
         # Master weights stay fp32 (fp64 when asked for, e.g. exactness tests).
         master = torch.float64 if self.compute_dtype == torch.float64 else torch.float32
         torch.manual_seed(seed)  # a fresh value head is drawn on rank 0 and broadcast
@@ -56,7 +58,7 @@ class Worker:
                 model.config.use_cache = False
             parallelize(model, self.dims, param_dtype=self.compute_dtype,
                         gradient_checkpointing=train and cfg.gradient_checkpointing,
-                        offload_params=cfg.offload_params)
+                        offload_params=cfg.offload_params, cpu_comm=cpu_comm)
 
         # offload_params: FSDP2 keeps the shards on the host and moves them in for compute
         where = torch.device("cuda", torch.cuda.current_device()) if (

@@ -1,0 +1,85 @@
+"""FSDP's CPU collectives through shared memory (RL2/parallel/host_comm.py) against gloo's: the
+same bytes for all-gathers, the same sums for reduce-scatters, the same gradients for an FSDP
+model, and the fallbacks (other reductions, inputs over the size cap) go to gloo."""
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.dist_utils import run_dist
+
+
+def _collectives(rank, world):
+    from RL2.parallel.host_comm import HostAllGather, HostReduceScatter
+
+    group = dist.new_group(list(range(world)))  # a subgroup, as FSDP's mesh groups are
+    gather, scatter = HostAllGather(max_bytes=1 << 20), HostReduceScatter(max_bytes=1 << 20)
+    torch.manual_seed(rank)
+    results = []
+    for n in (5, 1000, 7):  # the file grows at the second size; odd sizes
+        x = torch.randn(n)
+        out, ref = torch.empty(n * world), torch.empty(n * world)
+        assert gather(out, x, group) is None  # done on return: FSDP waits only on a Work
+        dist.all_gather_into_tensor(ref, x, group=group)
+        results.append(torch.equal(out, ref))
+        full = torch.randn(n * world, dtype=torch.float64)
+        got, want = torch.empty(n, dtype=torch.float64), torch.empty(n, dtype=torch.float64)
+        scatter(got, full, group, op=dist.ReduceOp.SUM)
+        dist.reduce_scatter_tensor(want, full, group=group)
+        # the sum in rank order, from every rank's input
+        inputs = [torch.empty_like(full) for _ in range(world)]
+        dist.all_gather(inputs, full, group=group)
+        ordered = inputs[0].view(world, n)[rank].clone()
+        for r in range(1, world):
+            ordered += inputs[r].view(world, n)[rank]
+        results.append((torch.equal(got, ordered), torch.allclose(got, want, rtol=1e-12)))
+    served = gather.groups[group.group_name].calls + scatter.groups[group.group_name].calls
+    # MAX is not summed in shared memory: gloo's result, nothing served
+    full = torch.arange(4.0 * world) * (rank + 1)
+    got, want = torch.empty(4), torch.empty(4)
+    scatter(got, full, group, op=dist.ReduceOp.MAX)
+    dist.reduce_scatter_tensor(want, full, op=dist.ReduceOp.MAX, group=group)
+    results.append(torch.equal(got, want))
+    # over the size cap (1 MiB for every rank's slot): gloo's collective
+    big = torch.full((1 << 18,), float(rank))
+    out = torch.empty(big.numel() * world)
+    gather(out, big, group)
+    results.append(torch.equal(out, torch.arange(world).float().repeat_interleave(big.numel())))
+    after = gather.groups[group.group_name].calls + scatter.groups[group.group_name].calls
+    return results, served, after
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_shared_memory_collectives_equal_gloo(world):
+    for results, served, after in run_dist(_collectives, world):
+        assert all(r is True or r == (True, True) for r in results), results
+        assert served == 6 and after == served  # every call of the first loop; no fallback served
+
+
+def _fsdp_grads(rank, world, cpu_comm):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from RL2.parallel import host_comm
+    from RL2.parallel.fsdp import parallelize
+    from RL2.parallel.mesh import ParallelDims
+
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    model = Qwen2ForCausalLM(cfg)
+    parallelize(model, ParallelDims(world), param_dtype=torch.float32, cpu_comm=cpu_comm)
+    torch.manual_seed(1 + rank)  # each rank its own batch, as data parallelism has it
+    ids = torch.randint(0, 96, (2, 12))
+    for _ in range(2):  # a second step reuses the file
+        model.zero_grad()
+        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    grads = {n: p.grad.full_tensor().tolist() for n, p in model.named_parameters()}  # by value
+    return grads, host_comm.served(model)
+
+
+def test_fsdp_gradients_through_shared_memory_equal_gloo():
+    shm = run_dist(_fsdp_grads, 2, "shm")
+    gloo = run_dist(_fsdp_grads, 2, "gloo")
+    for (g_shm, served), (g_gloo, none) in zip(shm, gloo):
+        assert served > 0 and none == 0  # a silent fallback to gloo would pass the comparison
+        for name in g_gloo:
+            assert g_shm[name] == g_gloo[name], name

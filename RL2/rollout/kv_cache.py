@@ -87,6 +87,18 @@ class BatchKV:
         return torch.zeros(pad.shape, dtype=dtype, device=pad.device).masked_fill_(
             pad, float("-inf"))[:, None, None, :]
 
+    def full_bias(self, rows: int, dtype=torch.float32) -> torch.Tensor:
+        """`bias` over the buffers' whole width [rows, 1, 1, len_cap] for a step of static shape
+        (`llama_forward.decode_static`): 0 on each live row's tokens and on column `end`, -inf
+        elsewhere. Rows past the live ones (a graph's padding) see column `end` only, so their
+        attention stays finite; their outputs are dropped."""
+        cols = torch.arange(self.k[0].shape[2], device=self.lens.device)
+        lens = self.lens.new_zeros(rows)
+        lens[:self.rows] = self.lens
+        keep = (cols[None, :] >= (self.end - lens)[:, None]) & (cols[None, :] <= self.end)
+        return torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill_(
+            ~keep, float("-inf"))[:, None, None, :]
+
     def compact(self, keep: list[int]) -> list[int]:
         """Keep rows `keep` (ascending); return the old index of each new row. Leading columns
         no row uses any more are dropped from the live window."""

@@ -149,15 +149,39 @@ def decode(model, tokens: torch.Tensor, kv, linear=_linear) -> torch.Tensor:
     """Logits [B, vocab] of the next token of each row of `kv` (a `BatchKV` with a free column at
     `kv.end`, where this step's keys and values are written; the caller advances it).
     tokens: [B] the last sampled token of each row, at position `kv.lens`."""
+    return _decode(model, tokens, kv.lens, kv.bias(dtype=model.model.embed_tokens.weight.dtype),
+                   kv.write, linear)
+
+
+@torch.inference_mode()
+def decode_static(model, tokens: torch.Tensor, positions: torch.Tensor, column: torch.Tensor,
+                  bias: torch.Tensor, keys: list, values: list, linear=_linear) -> torch.Tensor:
+    """`decode` with shapes that do not change from step to step, as a CUDA graph needs: the
+    step attends over the whole buffers (keys/values per layer [B, kv_heads, L, D], the first B
+    rows of the cache), `bias` [B, 1, 1, L] masks every column but a row's own tokens and the
+    one being written, and this step's keys and values are written at `column` ([1] long, a
+    tensor so that a replayed graph reads its new value)."""
+
+    def write(li, k, v):
+        keys[li].index_copy_(2, column, k[:, :, None])
+        values[li].index_copy_(2, column, v[:, :, None])
+        return keys[li], values[li]
+
+    return _decode(model, tokens, positions, bias, write, linear)
+
+
+def _decode(model, tokens: torch.Tensor, positions: torch.Tensor, bias: torch.Tensor, write,
+            linear) -> torch.Tensor:
+    """One decode step; write(layer, k, v) stores the step's keys and values [B, kv_heads, D]
+    and returns the keys and values to attend over, [B, kv_heads, W, D] (W: bias's last dim)."""
     body = model.model
     rows = tokens.shape[0]
     x = body.embed_tokens(tokens)                                # [B, hidden]
-    cos, sin = body.rotary_emb(x[None], kv.lens[None])           # [1, B, D]
+    cos, sin = body.rotary_emb(x[None], positions[None])         # [1, B, D]
     cos, sin = cos[0, :, None], sin[0, :, None]                  # [B, 1, D]
-    bias = kv.bias(dtype=x.dtype)                                # [B, 1, 1, W]
     for li, layer in enumerate(body.layers):
         q, k, v = _qkv(layer, x, cos, sin, linear)               # [B, heads, D]
-        keys, values = kv.write(li, k, v)                        # [B, kv_heads, W, D]
+        keys, values = write(li, k, v)
         # one row's query heads of a group as a query block: [B, kv_heads, G, D] against the
         # unexpanded cache (no copy of K/V per group), the padding as an additive bias
         qg = q.view(rows, keys.shape[1], -1, q.shape[-1])

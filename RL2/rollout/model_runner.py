@@ -6,7 +6,8 @@ drops rows and returns the new order (old index per new row).
 - `KVRunner` (Llama-family models, the default): our own forward (`llama_forward.py`) over our
   own KV buffers (`kv_cache.BatchKV`). Nothing of transformers' cache API is used. On the CPU
   its linear layers use oneDNN-packed copies of the weights (`RL2/utils/onednn.py`; dropped by
-  `weights_changed`, rebuilt on the next step).
+  `weights_changed`, rebuilt on the next step). On CUDA with `cuda_graph`, decode steps replay
+  CUDA graphs (`cuda_graph.py`; written, not run: no GPU here).
 - `RecomputeRunner` (every other architecture, or `own_forward=False`): the HF forward over
   each row's whole context at every step, with no KV cache at all. Quadratic in the length, but
   it relies only on the forward's public arguments (`input_ids`, `attention_mask`,
@@ -23,9 +24,14 @@ from RL2.utils.onednn import PackedLinears
 class KVRunner:
     caches_prefixes = True  # rows' KV can be kept for later prompts (`row_kv`)
 
-    def __init__(self, model, device, onednn: bool = True):
+    def __init__(self, model, device, onednn: bool = True, cuda_graph: bool = False):
         self.model, self.device = model, device
         self.linear = PackedLinears(enabled=onednn)
+        self.graphed = None
+        if cuda_graph and torch.device(device).type == "cuda":
+            from RL2.rollout.cuda_graph import GraphedDecode
+
+            self.graphed = GraphedDecode(model, self.linear)
         self.reset()
 
     def reset(self) -> None:
@@ -34,6 +40,8 @@ class KVRunner:
 
     def weights_changed(self) -> None:
         self.linear.clear()
+        if self.graphed is not None:  # replaced weights (share, release) live elsewhere
+            self.graphed.clear()
 
     def prefill(self, prompts: list[list[int]], hits: list[tuple[int, list | None]]) -> torch.Tensor:
         """Last-token logits [P, vocab] of each prompt; hits[i] = (cached tokens, their KV)."""
@@ -53,7 +61,10 @@ class KVRunner:
 
     def decode(self, last: torch.Tensor) -> torch.Tensor:
         self.kv.reserve(1)
-        logits = llama_forward.decode(self.model, last, self.kv, self.linear)
+        if self.graphed is not None:
+            logits = self.graphed(self.kv, last)
+        else:
+            logits = llama_forward.decode(self.model, last, self.kv, self.linear)
         self.kv.advance()
         return logits
 
@@ -109,8 +120,9 @@ class RecomputeRunner:
         return rows
 
 
-def make_runner(model, device, own_forward: bool = True, onednn: bool = True):
+def make_runner(model, device, own_forward: bool = True, onednn: bool = True,
+                cuda_graph: bool = False):
     if own_forward and llama_forward.supports(model):
-        return KVRunner(model, device, onednn)
+        return KVRunner(model, device, onednn, cuda_graph)
     return RecomputeRunner(model, device)
 

@@ -55,7 +55,7 @@ class TorchEngine(Engine):
                  max_batch_size: int = 256, max_prefill_tokens: int = 16384,
                  prefix_cache_mb: float = 512, attn_implementation: str = "sdpa",
                  offload_weights: bool = True, own_forward: bool = True, seed: int = 0,
-                 cpu_matmul: str = "onednn"):
+                 cpu_matmul: str = "onednn", cuda_graph: bool = False):
         """`model`: HF directory or an nn.Module (used as is, not copied). `tokenizer`: HF
         tokenizer, a path, or None (then no stop strings and no implicit eos). `offload_weights`:
         release_memory also moves the weights to CPU (only when the device is not CPU).
@@ -63,7 +63,9 @@ class TorchEngine(Engine):
         that extend them (0 disables). `own_forward`: Llama-family models run through
         `llama_forward.py` over the engine's KV buffers (False: every model uses the HF forward
         without a cache, as other architectures always do; for tests). `cpu_matmul`: "onednn"
-        (linear layers on oneDNN-packed weights on the CPU, RL2/utils/onednn.py) or "aten"."""
+        (linear layers on oneDNN-packed weights on the CPU, RL2/utils/onednn.py) or "aten".
+        `cuda_graph`: on CUDA, decode steps of Llama-family models replay CUDA graphs
+        (RL2/rollout/cuda_graph.py; written, not run on a GPU)."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         if isinstance(dtype, str):
@@ -79,7 +81,8 @@ class TorchEngine(Engine):
             tokenizer = AutoTokenizer.from_pretrained(tokenizer)
         self.tokenizer = tokenizer
         self.runner = make_runner(self.model, self.device, own_forward,
-                                  onednn=check_choice(cpu_matmul, "cpu_matmul") == "onednn")
+                                  onednn=check_choice(cpu_matmul, "cpu_matmul") == "onednn",
+                                  cuda_graph=cuda_graph)
         self.own_forward = self.runner.caches_prefixes
         cfg = self.model.config.get_text_config(decoder=True)
         self.vocab_size = self.model.get_output_embeddings().weight.shape[0]

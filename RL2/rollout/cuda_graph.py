@@ -1,0 +1,84 @@
+"""CUDA graphs for the embedded engine's decode step. GPU only, and NOT RUN: no GPU was
+available to this project (README, Status). The static-shape step it replays
+(`llama_forward.decode_static`) is tested on the CPU against the ordinary decode.
+
+Why: on a GPU a small-batch decode step is bound by kernel launches (about ten small kernels
+per layer, each issued from Python), not by the GPU. A captured graph replays the whole step
+as one launch. A graph fixes shapes and addresses, so the captured step attends over the whole
+KV buffers with a mask (`BatchKV.full_bias`), reads its token, position and write column from
+tensors filled before each replay, and there is one graph per row-count bucket (powers of two,
+up to the buffers' rows; live rows padded up to it). Graphs are captured at first use and
+dropped when the KV buffers are reallocated (they would read freed memory) or the weights
+change (`clear`). The capture follows torch.cuda.graphs' rules: warm-up on a side stream, then
+`torch.cuda.graph` with one memory pool shared by every bucket.
+"""
+import torch
+
+from RL2.rollout import llama_forward
+
+
+class GraphedDecode:
+    def __init__(self, model, linear):
+        self.model, self.linear = model, linear
+        self.graphs: dict[int, tuple] = {}  # bucket -> (graph, static inputs, static logits)
+        self.buffers = None  # (address, shape) of the KV buffers the graphs were captured on
+        self.pool = None
+
+    def clear(self) -> None:
+        self.graphs.clear()
+        self.buffers = self.pool = None
+
+    def __call__(self, kv, tokens: torch.Tensor) -> torch.Tensor:
+        """`llama_forward.decode(model, tokens, kv)` by replaying a graph."""
+        key = (kv.k[0].data_ptr(), tuple(kv.k[0].shape))
+        if key != self.buffers:
+            self.clear()
+            self.buffers = key
+        bucket = min(kv.k[0].shape[0], 1 << (kv.rows - 1).bit_length())
+        if bucket not in self.graphs:
+            self.graphs[bucket] = self._capture(kv, tokens, bucket)
+        graph, inputs, logits = self.graphs[bucket]
+        self._load(inputs, kv, tokens, bucket)
+        graph.replay()
+        return logits[:kv.rows].clone()  # the next replay overwrites the static output
+
+    def _load(self, inputs: dict, kv, tokens: torch.Tensor, bucket: int) -> None:
+        n = kv.rows
+        inputs["tokens"][:n].copy_(tokens)
+        inputs["tokens"][n:].zero_()
+        inputs["positions"][:n].copy_(kv.lens)
+        inputs["positions"][n:].zero_()
+        inputs["column"].fill_(kv.end)
+        inputs["bias"].copy_(kv.full_bias(bucket, inputs["bias"].dtype))
+
+    def _capture(self, kv, tokens: torch.Tensor, bucket: int) -> tuple:
+        device = kv.k[0].device
+        dtype = self.model.model.embed_tokens.weight.dtype
+        inputs = dict(tokens=torch.zeros(bucket, dtype=torch.long, device=device),
+                      positions=torch.zeros(bucket, dtype=torch.long, device=device),
+                      column=torch.zeros(1, dtype=torch.long, device=device),
+                      bias=kv.full_bias(bucket, dtype))
+        keys, values = [k[:bucket] for k in kv.k], [v[:bucket] for v in kv.v]
+        # this step's own inputs: the warm-up writes the same keys and values the replay will
+        self._load(inputs, kv, tokens, bucket)
+
+        def step():
+            return llama_forward.decode_static(self.model, inputs["tokens"], inputs["positions"],
+                                               inputs["column"], inputs["bias"], keys, values,
+                                               self.linear)
+
+        graph, logits = self._record(step, device)
+        return graph, inputs, logits
+
+    def _record(self, step, device) -> tuple:
+        """(a CUDA graph of `step`, its static output). The only CUDA-specific part."""
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):  # lazy initialisations (cuBLAS handles, workspaces) first
+            step()
+        torch.cuda.current_stream(device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            logits = step()
+        self.pool = graph.pool()
+        return graph, logits

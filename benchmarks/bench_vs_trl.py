@@ -32,11 +32,14 @@ HERE = os.path.join(REPO, "benchmarks")
 WORKLOADS = ("sft", "dpo", "grpo")
 
 
-def layouts(threads: int) -> list[tuple[str, int, int]]:
-    """(column, processes, threads per process) of RL2's runs; TRL uses one process x threads.
-    "2x1 ddp": the two ranks hold replicas (actor.ddp_size=2): one gradient all-reduce per step
-    instead of FSDP's parameter all-gathers and gradient reduce-scatters."""
-    return [(f"RL2 1x{threads}", 1, threads), ("RL2 2x1", 2, 1), ("RL2 2x1 ddp", 2, 1)]
+def layouts(threads: int) -> list[tuple[str, int, int, list[str]]]:
+    """(column, processes, threads per process, config keys) of RL2's runs; TRL uses one process
+    x threads. "2x1 ddp": the two ranks hold replicas (actor.ddp_size=2): one gradient all-reduce
+    per step instead of FSDP's parameter all-gathers and gradient reduce-scatters. "2x1 sp": both
+    ranks share every sequence (actor.sp_size=2, ring attention), so a step of few long sequences
+    (SFT's 600 + 250 + 100 + 50 + 20 tokens: 600 / 420 by whole sequences) splits evenly."""
+    return [(f"RL2 1x{threads}", 1, threads, []), ("RL2 2x1", 2, 1, []),
+            ("RL2 2x1 ddp", 2, 1, ["actor.ddp_size=2"]), ("RL2 2x1 sp", 2, 1, ["actor.sp_size=2"])]
 
 
 def trl_available() -> bool:
@@ -79,13 +82,13 @@ def run_trl(workload: str, root: str, args) -> list[dict]:
     return _load(out)
 
 
-def run_rl2(workload: str, root: str, nproc: int, threads: int, args, ddp: bool = False) -> list[dict]:
-    out = os.path.join(root, f"rl2_{workload}_{nproc}{'_ddp' if ddp else ''}.json")
+def run_rl2(workload: str, root: str, nproc: int, threads: int, args, keys: list[str]) -> list[dict]:
+    out = os.path.join(root, f"rl2_{workload}_{nproc}_{'_'.join(keys)}.json")
     _run(_torchrun(nproc) + [os.path.join(HERE, "vs_trl_rl2.py"), "--workload", workload,
                              "--assets", root, "--steps", str(args.repeats + 1),
                              "--threads", str(threads), "--new-tokens", str(args.new_tokens),
                              "--dtype", args.dtype, "--out", out]
-         + ["--override", *args.rl2_override] + ([f"actor.ddp_size={nproc}"] if ddp else []),
+         + ["--override", *args.rl2_override, *keys],
          threads, args.timeout, root)
     return _load(out)
 
@@ -152,7 +155,7 @@ def run(args) -> str:
     from benchmarks.vs_trl_data import FULL_MODEL, QUICK_MODEL, build_assets
 
     with_trl = trl_available() and not args.no_trl
-    columns = ["TRL"] + [name for name, _, _ in layouts(args.threads)]
+    columns = ["TRL"] + [name for name, *_ in layouts(args.threads)]
     peaks, cpu_peaks, notes = {1: [], args.threads: []}, [], []
     if not with_trl:
         notes.append("TRL skipped: " + ("--no-trl" if args.no_trl else
@@ -175,13 +178,12 @@ def run(args) -> str:
             raw[workload] = {}
             if with_trl:
                 raw[workload]["TRL"] = run_trl(workload, root, args)
-            for name, nproc, threads in layouts(args.threads):
-                raw[workload][name] = run_rl2(workload, root, nproc, threads, args, ddp=name.endswith("ddp"))
+            for name, nproc, threads, keys in layouts(args.threads):
+                raw[workload][name] = run_rl2(workload, root, nproc, threads, args, keys)
         elapsed = time.perf_counter() - start
     peak = {t: median(v) for t, v in peaks.items()}
     # A column's peak: the matmul rate of the cores it uses (2 x 1 = two one-thread processes).
-    col_peak = {c: peak[args.threads] for c in columns}
-    col_peak["RL2 2x1"] = col_peak["RL2 2x1 ddp"] = 2 * peak[1]
+    col_peak = {c: 2 * peak[1] if "2x1" in c else peak[args.threads] for c in columns}
     results = {w: {c: summarize(w, st, n_params) for c, st in r.items()} for w, r in raw.items()}
     head = (f"### RL2 vs TRL ({machine_description('cpu', args.threads)}; model {n_params / 1e6:.1f}M "
             f"params; {args.dtype}; matmul peak {peak[1] / 1e9:.0f} GFLOP/s with 1 thread, "

@@ -59,7 +59,7 @@ def test_bench_vs_trl_quick_runs_end_to_end(tmp_path):
                          timeout=1500)
     assert out.returncode == 0, out.stderr[-2000:]
     text = out.stdout
-    assert "| workload | TRL | RL2 1x1 | RL2 2x1 | RL2 2x1 ddp |" in text
+    assert "| workload | TRL | RL2 1x1 | RL2 2x1 | RL2 2x1 ddp | RL2 2x1 sp |" in text
     assert "TRL skipped: --no-trl" in text
     for label, *_ in FIGURES["sft"] + FIGURES["dpo"] + FIGURES["grpo"]:
         row = next(line for line in text.splitlines() if line.startswith(f"| {label} |"))

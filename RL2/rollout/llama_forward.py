@@ -170,6 +170,16 @@ def decode_static(model, tokens: torch.Tensor, positions: torch.Tensor, column: 
     return _decode(model, tokens, positions, bias, write, linear)
 
 
+def _attend_step(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor,
+                 scale: float) -> torch.Tensor:
+    """Attention of a decode step, q [B, kv_heads, G, D] over keys/values [B, kv_heads, W, D]:
+    two batched matmuls and a softmax (in fp32, as HF's eager attention). For these shapes
+    (a few queries per row) PyTorch's CPU flash-attention kernel took 2x as long (192 vs 94 us
+    per layer at 16 rows x 86 columns; benchmarks/README.md, fix 13)."""
+    scores = torch.matmul(q, keys.transpose(-1, -2)).mul_(scale).add_(bias)
+    return torch.matmul(torch.softmax(scores, -1, dtype=torch.float32).to(q.dtype), values)
+
+
 def _decode(model, tokens: torch.Tensor, positions: torch.Tensor, bias: torch.Tensor, write,
             linear) -> torch.Tensor:
     """One decode step; write(layer, k, v) stores the step's keys and values [B, kv_heads, D]
@@ -185,7 +195,6 @@ def _decode(model, tokens: torch.Tensor, positions: torch.Tensor, bias: torch.Te
         # one row's query heads of a group as a query block: [B, kv_heads, G, D] against the
         # unexpanded cache (no copy of K/V per group), the padding as an additive bias
         qg = q.view(rows, keys.shape[1], -1, q.shape[-1])
-        out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=bias,
-                                             scale=layer.self_attn.scaling)
-        x = _finish_layer(layer, x, out.reshape(rows, -1), linear)
+        x = _finish_layer(layer, x, _attend_step(qg, keys, values, bias, layer.self_attn.scaling)
+                          .reshape(rows, -1), linear)
     return _logits(model, x, linear)

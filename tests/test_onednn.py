@@ -98,6 +98,27 @@ def test_packed_weights_follow_weight_changes(counted):
     assert counted["n"] == 4
 
 
+def test_stacked_projections_equal_separate_ones_and_follow_weight_changes(counted):
+    # q/k/v-like: different widths, bias on some only (a zero bias stands in for the others)
+    projs = (torch.nn.Linear(64, 64), torch.nn.Linear(64, 32, bias=False), torch.nn.Linear(64, 32))
+    packed = onednn.PackedLinears()
+    x = torch.randn(16, 64)
+    with torch.no_grad():
+        def check():
+            outs = packed.many(x, projs)
+            assert [o.shape[-1] for o in outs] == [64, 32, 32]
+            for o, p in zip(outs, projs):
+                torch.testing.assert_close(o, F.linear(x, p.weight, p.bias), rtol=1e-5, atol=1e-5)
+        check()
+        assert counted["n"] == 1  # one product for the three
+        projs[1].weight.data = torch.randn(32, 64)  # new storage in one of them: restacked
+        check()
+        projs[2].weight.mul_(3)  # in place: stale until cleared, as for a single projection
+        assert not torch.allclose(packed.many(x, projs)[2], F.linear(x, projs[2].weight, projs[2].bias), atol=1e-3)
+        packed.clear()
+        check()
+
+
 def generate(engine, prompts, n=24):
     async def run():
         params = SamplingParams(temperature=0, max_new_tokens=n)

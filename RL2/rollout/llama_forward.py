@@ -49,6 +49,12 @@ def _linear(x: torch.Tensor, proj) -> torch.Tensor:
     return F.linear(x, proj.weight, proj.bias)
 
 
+def _project(linear, x: torch.Tensor, projs: tuple) -> list[torch.Tensor]:
+    """Several projections of one input; one stacked product when `linear` offers it."""
+    many = getattr(linear, "many", None)
+    return many(x, projs) if many else [linear(x, p) for p in projs]
+
+
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -68,9 +74,8 @@ def _qkv(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, linear=_l
     attn = layer.self_attn
     d, n = attn.head_dim, x.shape[0]
     h = _norm(layer.input_layernorm, x)
-    q = linear(h, attn.q_proj).view(n, -1, d)
-    k = linear(h, attn.k_proj).view(n, -1, d)
-    v = linear(h, attn.v_proj).view(n, -1, d)
+    q, k, v = (t.reshape(n, -1, d) for t in _project(linear, h, (attn.q_proj, attn.k_proj,
+                                                                 attn.v_proj)))
     if hasattr(attn, "q_norm"):  # Qwen3: per-head RMSNorm before RoPE
         q, k = _norm(attn.q_norm, q), _norm(attn.k_norm, k)
     qk = _rotate(torch.cat([q, k], dim=1), cos, sin)  # one elementwise pass for both
@@ -82,7 +87,8 @@ def _finish_layer(layer, x: torch.Tensor, attn_out: torch.Tensor, linear=_linear
     x = x + linear(attn_out, layer.self_attn.o_proj)
     h = _norm(layer.post_attention_layernorm, x)
     mlp = layer.mlp
-    return x + linear(F.silu(linear(h, mlp.gate_proj)) * linear(h, mlp.up_proj), mlp.down_proj)
+    gate, up = _project(linear, h, (mlp.gate_proj, mlp.up_proj))
+    return x + linear(F.silu(gate) * up, mlp.down_proj)
 
 
 def _logits(model, x: torch.Tensor, linear=_linear) -> torch.Tensor:

@@ -83,3 +83,10 @@ def test_fsdp_gradients_through_shared_memory_equal_gloo():
         assert served > 0 and none == 0  # a silent fallback to gloo would pass the comparison
         for name in g_gloo:
             assert g_shm[name] == g_gloo[name], name
+
+
+def test_bad_cpu_comm_is_refused_by_name(assets, tmp_path):
+    from tests.run_utils import run_trainer, sft_args
+
+    proc = run_trainer("sft", 1, sft_args(assets, "actor.cpu_comm=tcp"), tmp_path, check=False)
+    assert proc.returncode != 0 and "cpu_comm='tcp'" in proc.stderr + proc.stdout

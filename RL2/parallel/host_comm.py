@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
+from RL2.parallel.collectives import gather_objects
 from RL2.rollout.shm import SharedFile
 
 logger = logging.getLogger(__name__)
@@ -54,9 +55,7 @@ class HostGroup:
     def __init__(self, group, max_bytes: int = MAX_BYTES):
         self.group, self.max_bytes = group, max_bytes
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
-        ids = [None] * self.world
-        dist.all_gather_object(ids, host_id(), group=group)
-        self.usable = len(set(ids)) == 1
+        self.usable = len(set(gather_objects(host_id(), group))) == 1
         self.file: SharedFile | None = None
         self.calls = 0  # collectives served through shared memory (tests check no silent fallback)
 
@@ -123,7 +122,8 @@ class HostReduceScatter(_HostComm):
                  op=dist.ReduceOp.SUM, async_op: bool = False):
         host = self.host_group(group)
         src = _bytes(input_tensor)
-        slots = host.slots(src.numel()) if op == dist.ReduceOp.SUM and output_tensor.is_contiguous() else None
+        usable = op == dist.ReduceOp.SUM and output_tensor.is_contiguous()
+        slots = host.slots(src.numel()) if usable else None
         if slots is None:
             return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group,
                                               async_op=async_op)
@@ -138,28 +138,18 @@ class HostReduceScatter(_HostComm):
         return None
 
 
-def install(model: torch.nn.Module, max_bytes: int = MAX_BYTES) -> int:
+def install(model: torch.nn.Module, max_bytes: int = MAX_BYTES) -> None:
     """Route the all-gathers and reduce-scatters of every FSDP unit of `model` through shared
-    memory (one file per process group, made at the first collective). Returns the units set."""
+    memory (one file per process group, made at the first collective)."""
     gather, scatter = HostAllGather(max_bytes), HostReduceScatter(max_bytes)
-    n = 0
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_custom_all_gather(gather)
             module.set_custom_reduce_scatter(scatter)
-            n += 1
-    model._rl2_host_comms = (gather, scatter)  # for tests and logs: calls served per group
-    return n
+    model._rl2_host_comms = (gather, scatter)  # for tests: calls served per group
 
 
 def served(model: torch.nn.Module) -> int:
     """Collectives of `model`'s FSDP units served through shared memory so far (this rank)."""
     comms = getattr(model, "_rl2_host_comms", ())
     return sum(g.calls for c in comms for g in c.groups.values())
-
-
-def check_choice(value: str, key: str = "cpu_comm") -> str:
-    if value not in CHOICES:
-        raise ValueError(f"{key}={value!r}: use one of {CHOICES}")
-    return value
-

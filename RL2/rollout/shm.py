@@ -9,6 +9,8 @@ import uuid
 import torch
 import torch.distributed as dist
 
+from RL2.parallel.collectives import gather_objects
+
 SHM_DIR = "/dev/shm"
 
 
@@ -79,7 +81,8 @@ class SharedFile:
         rank, world = dist.get_rank(group), dist.get_world_size(group)
         box = [None, None]  # [path, error creating it]
         if rank == 0:
-            box[0] = os.path.join(SHM_DIR, f"rl2-{what.replace(' ', '-')}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+            name = f"rl2-{what.replace(' ', '-')}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+            box[0] = os.path.join(SHM_DIR, name)
             try:
                 with open(box[0], "wb") as f:
                     f.truncate(halves * size)
@@ -98,8 +101,7 @@ class SharedFile:
             except OSError as e:
                 error = f"rank {rank} could not open {path}: {e}"
         # one collective: everyone has opened the names (they can go) and agrees on success
-        errors = [None] * world
-        dist.all_gather_object(errors, error, group=group)
+        errors = gather_objects(error, group)
         if rank == 0:
             for name in [path, *PipeBarrier.paths(path, world)]:
                 if os.path.exists(name):

@@ -40,7 +40,8 @@ from RL2.rollout.engine import Engine, GenerationOutput, SamplingParams, check_p
 from RL2.rollout.model_runner import make_runner
 from RL2.rollout.prefix_cache import PrefixCache
 from RL2.rollout.sampling import Request, Seq, sample
-from RL2.utils.onednn import check_choice
+from RL2.utils import onednn
+from RL2.utils.config import check_choice
 
 logger = logging.getLogger(__name__)
 
@@ -80,8 +81,8 @@ class TorchEngine(Engine):
         if isinstance(tokenizer, str):
             tokenizer = AutoTokenizer.from_pretrained(tokenizer)
         self.tokenizer = tokenizer
-        self.runner = make_runner(self.model, self.device, own_forward,
-                                  onednn=check_choice(cpu_matmul, "cpu_matmul") == "onednn",
+        use_onednn = check_choice(cpu_matmul, "cpu_matmul", onednn.CHOICES) == "onednn"
+        self.runner = make_runner(self.model, self.device, own_forward, onednn=use_onednn,
                                   cuda_graph=cuda_graph)
         self.own_forward = self.runner.caches_prefixes
         cfg = self.model.config.get_text_config(decoder=True)

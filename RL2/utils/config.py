@@ -29,6 +29,13 @@ def load_config(name: str, overrides: list[str] | None = None) -> DictConfig:
 SCHEDULERS = ("constant", "cosine", "linear")  # RL2/workers/worker.py make_scheduler
 
 
+def check_choice(value: str, key: str, choices: tuple) -> str:
+    """`value` if it is one of `choices`, else a ValueError naming the key."""
+    if value not in choices:
+        raise ValueError(f"{key}={value!r}: expected one of {', '.join(choices)}")
+    return value
+
+
 def check_optimizer_config(cfg: DictConfig) -> None:
     """Optimizer keys of every worker section, checked before any model is built. Raises
     SystemExit naming each bad key and what to use."""

@@ -29,12 +29,6 @@ def available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
-def check_choice(value: str, key: str) -> str:
-    if value not in CHOICES:
-        raise ValueError(f"{key}={value!r}: expected one of {', '.join(CHOICES)}")
-    return value
-
-
 def _mm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     # x [..., in] @ weight[out, in].T (+ bias); weight may be dense or `_reorder_linear_weight`'s
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")

@@ -15,7 +15,7 @@ from RL2.parallel.collectives import gather_objects
 from RL2.parallel.fsdp import parallelize
 from RL2.parallel.mesh import ParallelDims
 from RL2.utils import onednn
-from RL2.utils.config import resolve_dtype
+from RL2.utils.config import check_choice, resolve_dtype
 from RL2.workers import lora
 from RL2.workers.loading import load_sharded
 
@@ -47,8 +47,8 @@ class Worker:
         self.cfg, self.device, self.value_head, self.train = cfg, device, value_head, train
         self.dims = ParallelDims(dist.get_world_size(), cfg.ddp_size, cfg.tp_size, cfg.sp_size, device)
         self.compute_dtype = resolve_dtype(cfg.dtype, device)
-        cpu_matmul = onednn.check_choice(cfg.get("cpu_matmul", "onednn"), "cpu_matmul")
-        cpu_comm = host_comm.check_choice(cfg.get("cpu_comm", "shm"), "cpu_comm")
+        cpu_matmul = check_choice(cfg.get("cpu_matmul", "onednn"), "cpu_matmul", onednn.CHOICES)
+        cpu_comm = check_choice(cfg.get("cpu_comm", "shm"), "cpu_comm", host_comm.CHOICES)
         # Master weights stay fp32 (fp64 when asked for, e.g. exactness tests).
         master = torch.float64 if self.compute_dtype == torch.float64 else torch.float32
         torch.manual_seed(seed)  # a fresh value head is drawn on rank 0 and broadcast

@@ -119,3 +119,27 @@ def test_bad_rows_are_counted_and_a_pair_over_budget_stops_before_training(asset
     assert "actor.max_length_per_device*sp_size*tp_size = 60" in proc.stderr
     assert "2*data.train.max_length" in proc.stderr
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_weights_gathered_again_in_backward_equal_serial(assets, serial, tmp_path):
+    """actor.reshard_after_forward=true (the GPU default; the CPU default, auto, keeps gathered
+    weights from forward to backward and the frozen reference's for the run, as every other
+    test here runs): same losses, margins, gradients, evaluation and final model as serial."""
+    from transformers import AutoModelForCausalLM
+
+    nproc, extra = layout("fsdp2", BUDGETS["fsdp2"])
+    run_trainer("dpo", nproc, dpo_args(assets, "actor.dtype=float64", "actor.reshard_after_forward=true",
+                                       *extra), tmp_path)
+    for key in KEYS:
+        assert_close(train_rows(tmp_path, key), train_rows(serial("float64"), key), 1e-9, key,
+                     atol=1e-10 if "margin" in key else 0.0)
+    got, want = (AutoModelForCausalLM.from_pretrained(d / "run" / "final", dtype=torch.float64).state_dict()
+                 for d in (tmp_path, serial("float64")))
+    for name, tensor in want.items():
+        torch.testing.assert_close(got[name], tensor, rtol=1e-9, atol=1e-12, msg=name)
+
+
+def test_bad_reshard_after_forward_is_refused_by_name(assets, tmp_path):
+    proc = run_trainer("dpo", 1, dpo_args(assets, "actor.reshard_after_forward=sometimes"), tmp_path,
+                       check=False)
+    assert proc.returncode != 0 and "reshard_after_forward='sometimes'" in proc.stderr + proc.stdout

@@ -55,7 +55,7 @@ def test_shared_memory_collectives_equal_gloo(world):
         assert served == 6 and after == served  # every call of the first loop; no fallback served
 
 
-def _fsdp_grads(rank, world, cpu_comm):
+def _fsdp_grads(rank, world, cpu_comm, reshard_after_forward=True):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from RL2.parallel import host_comm
@@ -66,23 +66,63 @@ def _fsdp_grads(rank, world, cpu_comm):
     cfg = Qwen2Config(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
     model = Qwen2ForCausalLM(cfg)
-    parallelize(model, ParallelDims(world), param_dtype=torch.float32, cpu_comm=cpu_comm)
+    parallelize(model, ParallelDims(world), param_dtype=torch.float32, cpu_comm=cpu_comm,
+                reshard_after_forward=reshard_after_forward)
     torch.manual_seed(1 + rank)  # each rank its own batch, as data parallelism has it
     ids = torch.randint(0, 96, (2, 12))
     for _ in range(2):  # a second step reuses the file
         model.zero_grad()
         model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
     grads = {n: p.grad.full_tensor().tolist() for n, p in model.named_parameters()}  # by value
-    return grads, host_comm.served(model)
+    gathers = sum(g.calls for g in model._rl2_host_comms[0].groups.values()) if cpu_comm == "shm" else 0
+    return grads, host_comm.served(model), gathers
 
 
 def test_fsdp_gradients_through_shared_memory_equal_gloo():
     shm = run_dist(_fsdp_grads, 2, "shm")
     gloo = run_dist(_fsdp_grads, 2, "gloo")
-    for (g_shm, served), (g_gloo, none) in zip(shm, gloo):
+    for (g_shm, served, _), (g_gloo, none, _) in zip(shm, gloo):
         assert served > 0 and none == 0  # a silent fallback to gloo would pass the comparison
         for name in g_gloo:
             assert g_shm[name] == g_gloo[name], name
+
+
+def _frozen_gathers(rank, world, reshard_after_forward):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from RL2.parallel.fsdp import parallelize
+    from RL2.parallel.mesh import ParallelDims
+
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    model = Qwen2ForCausalLM(cfg).eval()
+    parallelize(model, ParallelDims(world), param_dtype=torch.float32,
+                reshard_after_forward=reshard_after_forward)
+    ids = torch.randint(0, 96, (2, 12))
+    with torch.no_grad():
+        logits = [model(input_ids=ids, use_cache=False).logits for _ in range(3)]
+    assert all(torch.equal(lg, logits[0]) for lg in logits)
+    return sum(g.calls for g in model._rl2_host_comms[0].groups.values())
+
+
+def test_frozen_model_kept_gathered_is_gathered_once():
+    """The DPO/PPO reference inherits the actor's reshard_after_forward: with False its no-grad
+    forwards gather each unit once for the run (3 forwards: 9 all-gathers -> 3)."""
+    assert run_dist(_frozen_gathers, 2, True) == [9, 9]
+    assert run_dist(_frozen_gathers, 2, False) == [3, 3]
+
+
+def test_weights_kept_after_forward_save_the_backward_all_gathers():
+    """reshard_after_forward=False (actor.reshard_after_forward): the same gradients with only
+    the forward's all-gathers (3 FSDP units: 2 layers + the root, each gathered again in
+    backward by default): 2 steps x (3 + 3) -> 2 x 3."""
+    again = run_dist(_fsdp_grads, 2, "shm", True)
+    kept = run_dist(_fsdp_grads, 2, "shm", False)
+    for (g_again, _, n_again), (g_kept, _, n_kept) in zip(again, kept):
+        assert (n_again, n_kept) == (12, 6)
+        for name in g_again:
+            assert g_kept[name] == g_again[name], name
 
 
 def test_bad_cpu_comm_is_refused_by_name(assets, tmp_path):

@@ -28,6 +28,17 @@ def apply_activation_checkpointing(model: nn.Module):
     logger.info("Applied activation checkpointing to the model")
 
 
+def resolve_reshard(value, device_type: str) -> bool:
+    """`reshard_after_forward`: true, false, or "auto" = false on the CPU (host memory is
+    plentiful and each all-gather is a copy through shared memory or TCP that the step waits
+    for) and true on GPUs (memory is what runs out; NCCL is fast)."""
+    if value == "auto":
+        return device_type != "cuda"
+    if not isinstance(value, bool):
+        raise ValueError(f"reshard_after_forward={value!r}: expected true, false or auto")
+    return value
+
+
 def apply_fsdp(model: nn.Module, dims: ParallelDims, param_dtype: torch.dtype,
                offload_params: bool = False, reshard_after_forward: bool = True,
                cpu_comm: str = "shm"):
@@ -65,7 +76,7 @@ def apply_fsdp(model: nn.Module, dims: ParallelDims, param_dtype: torch.dtype,
 
 def parallelize(model: nn.Module, dims: ParallelDims, *, param_dtype: torch.dtype,
                 gradient_checkpointing: bool = False, offload_params: bool = False,
-                cpu_comm: str = "shm"):
+                reshard_after_forward: bool = True, cpu_comm: str = "shm"):
     """The one place that decides how a model is parallelised."""
     if dims.tp > 1:
         from RL2.parallel.tensor_parallel import apply_tp
@@ -73,5 +84,5 @@ def parallelize(model: nn.Module, dims: ParallelDims, *, param_dtype: torch.dtyp
         apply_tp(model, dims.tp_mesh)  # validates head/vocab divisibility first
     if gradient_checkpointing:
         apply_activation_checkpointing(model)
-    apply_fsdp(model, dims, param_dtype, offload_params, cpu_comm=cpu_comm)
+    apply_fsdp(model, dims, param_dtype, offload_params, reshard_after_forward, cpu_comm)
     return model

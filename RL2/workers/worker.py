@@ -6,13 +6,14 @@ import math
 import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
+from torch.distributed.fsdp import FSDPModule
 
 from RL2.algorithms.losses import upcast
 from RL2.data.packing import MicroBatch, pack, plan_micro_batches, token_capacity, unpack
 from RL2.parallel import host_comm
 from RL2.parallel.attention import PackedContext, packed_kwargs
 from RL2.parallel.collectives import gather_objects
-from RL2.parallel.fsdp import parallelize
+from RL2.parallel.fsdp import parallelize, resolve_reshard
 from RL2.parallel.mesh import ParallelDims
 from RL2.utils import onednn
 from RL2.utils.config import check_choice, resolve_dtype
@@ -49,6 +50,7 @@ class Worker:
         self.compute_dtype = resolve_dtype(cfg.dtype, device)
         cpu_matmul = check_choice(cfg.get("cpu_matmul", "onednn"), "cpu_matmul", onednn.CHOICES)
         cpu_comm = check_choice(cfg.get("cpu_comm", "shm"), "cpu_comm", host_comm.CHOICES)
+        self.reshard_after_forward = resolve_reshard(cfg.reshard_after_forward, device)
         # Master weights stay fp32 (fp64 when asked for, e.g. exactness tests).
         master = torch.float64 if self.compute_dtype == torch.float64 else torch.float32
         torch.manual_seed(seed)  # a fresh value head is drawn on rank 0 and broadcast
@@ -58,7 +60,9 @@ class Worker:
                 model.config.use_cache = False
             parallelize(model, self.dims, param_dtype=self.compute_dtype,
                         gradient_checkpointing=train and cfg.gradient_checkpointing,
-                        offload_params=cfg.offload_params, cpu_comm=cpu_comm)
+                        offload_params=cfg.offload_params,
+                        reshard_after_forward=self.reshard_after_forward,
+                        cpu_comm=cpu_comm)
 
         # offload_params: FSDP2 keeps the shards on the host and moves them in for compute
         where = torch.device("cuda", torch.cuda.current_device()) if (
@@ -139,6 +143,13 @@ class Worker:
                 local[i] = upcast(t.detach()).cpu()
         if was_training:
             self.model.train()
+        if self.train and not self.reshard_after_forward:
+            # a no-grad pass has no backward to free what it gathered: free it here, so the
+            # shards are what the next rollout or sync sees. A frozen model (the reference)
+            # keeps its gathered weights for the run: its one all-gather is its last.
+            for module in self.model.modules():
+                if isinstance(module, FSDPModule):
+                    module.reshard()
         merged = {}
         for part in gather_objects(local):
             merged.update(part)

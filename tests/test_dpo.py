@@ -97,7 +97,9 @@ KEYS = ("train/loss", "train/dpo_loss", "train/sft_loss", "train/rewards/margin"
 @pytest.mark.parametrize("name,dtype,rtol", CASES)
 def test_parallel_equals_serial(assets, serial, tmp_path, name, dtype, rtol):
     nproc, extra = layout(name, BUDGETS[name])
-    run_trainer("dpo", nproc, dpo_args(assets, f"actor.dtype={dtype}", *extra), tmp_path)
+    proc = run_trainer("dpo", nproc, dpo_args(assets, f"actor.dtype={dtype}", *extra), tmp_path)
+    # the CPU default (auto): gathered weights kept until backward, the reference's for the run
+    assert "reshard_after_forward=False" in proc.stdout + proc.stderr
     for key in KEYS:
         # Margins start at ~0 (policy == reference): compare them with an absolute floor too.
         assert_close(train_rows(tmp_path, key), train_rows(serial(dtype), key), rtol, key,
@@ -121,6 +123,7 @@ def test_bad_rows_are_counted_and_a_pair_over_budget_stops_before_training(asset
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
+@pytest.mark.slow
 def test_weights_gathered_again_in_backward_equal_serial(assets, serial, tmp_path):
     """actor.reshard_after_forward=true (the GPU default; the CPU default, auto, keeps gathered
     weights from forward to backward and the frozen reference's for the run, as every other
@@ -128,8 +131,10 @@ def test_weights_gathered_again_in_backward_equal_serial(assets, serial, tmp_pat
     from transformers import AutoModelForCausalLM
 
     nproc, extra = layout("fsdp2", BUDGETS["fsdp2"])
-    run_trainer("dpo", nproc, dpo_args(assets, "actor.dtype=float64", "actor.reshard_after_forward=true",
-                                       *extra), tmp_path)
+    proc = run_trainer("dpo", nproc, dpo_args(assets, "actor.dtype=float64", "actor.reshard_after_forward=true",
+                                              *extra), tmp_path)
+    out = proc.stdout + proc.stderr
+    assert "reshard_after_forward=True" in out and "reshard_after_forward=False" not in out
     for key in KEYS:
         assert_close(train_rows(tmp_path, key), train_rows(serial("float64"), key), 1e-9, key,
                      atol=1e-10 if "margin" in key else 0.0)

@@ -48,7 +48,7 @@ def _collectives(rank, world):
     return results, served, after
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_shared_memory_collectives_equal_gloo(world):
     for results, served, after in run_dist(_collectives, world):
         assert all(r is True or r == (True, True) for r in results), results
@@ -106,6 +106,7 @@ def _frozen_gathers(rank, world, reshard_after_forward):
     return sum(g.calls for g in model._rl2_host_comms[0].groups.values())
 
 
+@pytest.mark.slow
 def test_frozen_model_kept_gathered_is_gathered_once():
     """The DPO/PPO reference inherits the actor's reshard_after_forward: with False its no-grad
     forwards gather each unit once for the run (3 forwards: 9 all-gathers -> 3)."""
@@ -123,6 +124,15 @@ def test_weights_kept_after_forward_save_the_backward_all_gathers():
         assert (n_again, n_kept) == (12, 6)
         for name in g_again:
             assert g_kept[name] == g_again[name], name
+
+
+def test_reshard_after_forward_auto_keeps_weights_on_cpu_only():
+    from RL2.parallel.fsdp import resolve_reshard
+
+    assert [resolve_reshard("auto", d) for d in ("cpu", "cuda")] == [False, True]
+    assert [resolve_reshard(v, "cpu") for v in (True, False)] == [True, False]
+    with pytest.raises(ValueError, match="reshard_after_forward='no'"):
+        resolve_reshard("no", "cpu")
 
 
 def test_bad_cpu_comm_is_refused_by_name(assets, tmp_path):

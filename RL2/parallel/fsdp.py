@@ -33,7 +33,7 @@ def resolve_reshard(value, device_type: str) -> bool:
     plentiful and each all-gather is a copy through shared memory or TCP that the step waits
     for) and true on GPUs (memory is what runs out; NCCL is fast)."""
     if value == "auto":
-        return device_type != "cuda"
+        return device_type == "cuda"
     if not isinstance(value, bool):
         raise ValueError(f"reshard_after_forward={value!r}: expected true, false or auto")
     return value
@@ -71,7 +71,8 @@ def apply_fsdp(model: nn.Module, dims: ParallelDims, param_dtype: torch.dtype,
 
         host_comm.install(model)
     kind = "HSDP" if dims.ddp > 1 else "FSDP"
-    logger.info(f"Applied {kind} to the model (ddp={dims.ddp}, fsdp={dims.fsdp})")
+    logger.info(f"Applied {kind} to the model (ddp={dims.ddp}, fsdp={dims.fsdp}, "
+                f"reshard_after_forward={reshard_after_forward})")
 
 
 def parallelize(model: nn.Module, dims: ParallelDims, *, param_dtype: torch.dtype,

@@ -38,10 +38,10 @@ def test_missing_data_file(assets, tmp_path):
     fails_with(assets, tmp_path, base(assets, str(tmp_path / "nope.jsonl")), "nope.jsonl")
 
 
-@pytest.mark.parametrize("row,needle", [
-    ({"prompt": "hi"}, "response"),
+@pytest.mark.parametrize("row,needle", [  # one row in the fast subset, all in the full suite
+    pytest.param({"prompt": "hi"}, "response", marks=pytest.mark.slow),
     ({"prompt": "hi", "response": ""}, "response"),
-    ({"question": "hi", "answer": "x"}, "prompt"),
+    pytest.param({"question": "hi", "answer": "x"}, "prompt", marks=pytest.mark.slow),
 ], ids=["missing-response", "empty-response", "wrong-keys"])
 def test_bad_row_named(assets, tmp_path, row, needle):
     path = tmp_path / "bad.jsonl"

@@ -161,7 +161,7 @@ def test_nccl_push_without_vllm_on_the_trainer_is_refused_at_start(monkeypatch):
     assert check_placement(cfg.actor.rollout, "cpu") == []
 
 
-@pytest.mark.parametrize("mode", ["pause", "abort"])
+@pytest.mark.parametrize("mode", ["pause", pytest.param("abort", marks=pytest.mark.slow)])
 def test_inflight_updates_on_servers_keep_the_staleness_bound(assets, servers, tmp_path, mode):
     check_inflight_updates(assets, servers, tmp_path, mode)
 

@@ -1,9 +1,12 @@
 """The torch engine in bf16 beside an fp32 trainer (`actor.rollout.torch.dtype=bfloat16`): every
 sync hands it the trainer's weights cast to bf16 (tests/test_weight_sync.py checks the tensors),
 its log-probs stay within bf16 rounding of the trainer's, and PPO learns from its samples."""
+import pytest
+
 from tests.run_utils import FIRST_WORD_ENV, read_metrics, run_trainer
 
 
+@pytest.mark.slow
 def test_bf16_engine_rollouts_follow_the_trainer_and_the_reward_rises(assets, tmp_path):
     env = tmp_path / "env.py"
     env.write_text(FIRST_WORD_ENV)

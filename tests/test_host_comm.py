@@ -55,10 +55,10 @@ def test_shared_memory_collectives_equal_gloo(world):
         assert served == 6 and after == served  # every call of the first loop; no fallback served
 
 
-def _fsdp_grads(rank, world, cpu_comm, reshard_after_forward=True):
+def _sharded_model(world, **kw):
+    """A 2-layer Qwen2 (3 FSDP units: the layers and the root) sharded over `world` ranks."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from RL2.parallel import host_comm
     from RL2.parallel.fsdp import parallelize
     from RL2.parallel.mesh import ParallelDims
 
@@ -66,16 +66,26 @@ def _fsdp_grads(rank, world, cpu_comm, reshard_after_forward=True):
     cfg = Qwen2Config(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
     model = Qwen2ForCausalLM(cfg)
-    parallelize(model, ParallelDims(world), param_dtype=torch.float32, cpu_comm=cpu_comm,
-                reshard_after_forward=reshard_after_forward)
+    parallelize(model, ParallelDims(world), param_dtype=torch.float32, **kw)
+    return model
+
+
+def _gathers(model) -> int:
+    """All-gathers served through shared memory so far (this rank)."""
+    return sum(g.calls for g in model._rl2_host_comms[0].groups.values())
+
+
+def _fsdp_grads(rank, world, cpu_comm, reshard_after_forward=True):
+    from RL2.parallel import host_comm
+
+    model = _sharded_model(world, cpu_comm=cpu_comm, reshard_after_forward=reshard_after_forward)
     torch.manual_seed(1 + rank)  # each rank its own batch, as data parallelism has it
     ids = torch.randint(0, 96, (2, 12))
     for _ in range(2):  # a second step reuses the file
         model.zero_grad()
         model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
     grads = {n: p.grad.full_tensor().tolist() for n, p in model.named_parameters()}  # by value
-    gathers = sum(g.calls for g in model._rl2_host_comms[0].groups.values()) if cpu_comm == "shm" else 0
-    return grads, host_comm.served(model), gathers
+    return grads, host_comm.served(model), _gathers(model) if cpu_comm == "shm" else 0
 
 
 def test_fsdp_gradients_through_shared_memory_equal_gloo():
@@ -88,22 +98,12 @@ def test_fsdp_gradients_through_shared_memory_equal_gloo():
 
 
 def _frozen_gathers(rank, world, reshard_after_forward):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    from RL2.parallel.fsdp import parallelize
-    from RL2.parallel.mesh import ParallelDims
-
-    torch.manual_seed(0)
-    cfg = Qwen2Config(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    model = Qwen2ForCausalLM(cfg).eval()
-    parallelize(model, ParallelDims(world), param_dtype=torch.float32,
-                reshard_after_forward=reshard_after_forward)
+    model = _sharded_model(world, reshard_after_forward=reshard_after_forward).eval()
     ids = torch.randint(0, 96, (2, 12))
     with torch.no_grad():
         logits = [model(input_ids=ids, use_cache=False).logits for _ in range(3)]
     assert all(torch.equal(lg, logits[0]) for lg in logits)
-    return sum(g.calls for g in model._rl2_host_comms[0].groups.values())
+    return _gathers(model)
 
 
 @pytest.mark.slow

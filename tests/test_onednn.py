@@ -150,6 +150,7 @@ def test_bad_choice_is_refused_by_name():
         TorchEngine(model(), None, cpu_matmul="mkl")
 
 
+@pytest.mark.slow
 def test_sft_with_onednn_matches_aten(assets, tmp_path):
     runs = {}
     for choice in ("aten", "onednn"):

@@ -11,7 +11,8 @@ from tests.run_utils import (assert_close, hf_test_loss, layout, read_metrics, r
 BUDGETS = {"fsdp2": 64, "ddp2xfsdp2": 96}
 
 
-@pytest.mark.parametrize("name", list(BUDGETS))
+@pytest.mark.parametrize("name", [n if n == "fsdp2" else pytest.param(n, marks=pytest.mark.slow)
+                                  for n in BUDGETS])  # fast subset: fsdp2; HSDP in the full suite
 @pytest.mark.parametrize("dtype,rtol", [("float64", 1e-10), ("float32", 1e-5)])
 def test_parallel_equals_serial(assets, serial, tmp_path, name, dtype, rtol):
     nproc, extra = layout(name, BUDGETS[name])
@@ -57,6 +58,7 @@ def test_token_metrics_count_processed_and_trained_tokens(assets, serial):
         assert math.isclose(r["train/tokens_per_s"], tokens / r["train/step_time"], rel_tol=1e-12)
 
 
+@pytest.mark.slow
 def test_evaluating_at_start_does_not_change_training(assets, serial, tmp_path):
     run_trainer("sft", 1, sft_args(assets, "actor.dtype=float64", "actor.max_length_per_device=4096",
                                    "trainer.test_at_start=false"), tmp_path)
@@ -85,7 +87,8 @@ def test_resume_after_crash_is_exact(assets, tmp_path):
             assert math.isclose(by_step[s][key], want[s][key], rel_tol=1e-6), (s, key)
 
 
-@pytest.mark.parametrize("option", ["actor.gradient_checkpointing=true", "actor.offload_params=true"])
+@pytest.mark.parametrize("option", [pytest.param("actor.gradient_checkpointing=true", marks=pytest.mark.slow),
+                                    "actor.offload_params=true"])
 def test_memory_options_do_not_change_numbers(assets, serial, tmp_path, option):
     run_trainer("sft", 2, sft_args(assets, "actor.dtype=float64", option), tmp_path)
     for key in ("train/loss", "train/grad_norm"):

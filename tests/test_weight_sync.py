@@ -10,7 +10,9 @@ from tests.run_utils import layout as layout_of
 
 TEMPERATURE = 0.7
 NAMES = ["serial", "fsdp2", "tp2", "sp2", "ddp2xtp2"]  # of tests/run_utils.LAYOUTS
-LAYOUTS = pytest.mark.parametrize("world,layout", [layout_of(name) for name in NAMES], ids=NAMES)
+FAST = {"fsdp2", "tp2"}  # the fast subset; every layout in the full suite
+LAYOUTS = pytest.mark.parametrize("world,layout", [
+    pytest.param(*layout_of(name), marks=() if name in FAST else pytest.mark.slow) for name in NAMES], ids=NAMES)
 
 
 def _sync_and_compare(rank, world, model_dir, data_path, layout):

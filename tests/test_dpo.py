@@ -94,16 +94,20 @@ KEYS = ("train/loss", "train/dpo_loss", "train/sft_loss", "train/rewards/margin"
         "test/loss", "test/rewards/margin")
 
 
+def _assert_matches_serial(run_dir, serial_dir, rtol):
+    for key in KEYS:
+        # Margins start at ~0 (policy == reference): compare them with an absolute floor too.
+        assert_close(train_rows(run_dir, key), train_rows(serial_dir, key), rtol, key,
+                     atol=rtol / 10 if "margin" in key else 0.0)
+
+
 @pytest.mark.parametrize("name,dtype,rtol", CASES)
 def test_parallel_equals_serial(assets, serial, tmp_path, name, dtype, rtol):
     nproc, extra = layout(name, BUDGETS[name])
     proc = run_trainer("dpo", nproc, dpo_args(assets, f"actor.dtype={dtype}", *extra), tmp_path)
     # the CPU default (auto): gathered weights kept until backward, the reference's for the run
     assert "reshard_after_forward=False" in proc.stdout + proc.stderr
-    for key in KEYS:
-        # Margins start at ~0 (policy == reference): compare them with an absolute floor too.
-        assert_close(train_rows(tmp_path, key), train_rows(serial(dtype), key), rtol, key,
-                     atol=rtol / 10 if "margin" in key else 0.0)
+    _assert_matches_serial(tmp_path, serial(dtype), rtol)
 
 
 def test_bad_rows_are_counted_and_a_pair_over_budget_stops_before_training(assets, tmp_path):
@@ -135,9 +139,7 @@ def test_weights_gathered_again_in_backward_equal_serial(assets, serial, tmp_pat
                                               *extra), tmp_path)
     out = proc.stdout + proc.stderr
     assert "reshard_after_forward=True" in out and "reshard_after_forward=False" not in out
-    for key in KEYS:
-        assert_close(train_rows(tmp_path, key), train_rows(serial("float64"), key), 1e-9, key,
-                     atol=1e-10 if "margin" in key else 0.0)
+    _assert_matches_serial(tmp_path, serial("float64"), 1e-9)
     got, want = (AutoModelForCausalLM.from_pretrained(d / "run" / "final", dtype=torch.float64).state_dict()
                  for d in (tmp_path, serial("float64")))
     for name, tensor in want.items():

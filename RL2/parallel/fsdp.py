@@ -28,6 +28,17 @@ def apply_activation_checkpointing(model: nn.Module):
     logger.info("Applied activation checkpointing to the model")
 
 
+def fsdp_units(model: nn.Module) -> list[FSDPModule]:
+    """The modules `fully_shard` made into FSDP units (decoder layers and the root)."""
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+def reshard(model: nn.Module) -> None:
+    """Free every unit's gathered parameters (FSDPModule.reshard is per unit, not recursive)."""
+    for unit in fsdp_units(model):
+        unit.reshard()
+
+
 def resolve_reshard(value, device_type: str) -> bool:
     """`reshard_after_forward`: true, false, or "auto" = false on the CPU (host memory is
     plentiful and each all-gather is a copy through shared memory or TCP that the step waits
@@ -61,11 +72,10 @@ def apply_fsdp(model: nn.Module, dims: ParallelDims, param_dtype: torch.dtype,
     for layer in decoder_layers(model):
         fully_shard(layer, reshard_after_forward=reshard_after_forward, **kw)
     fully_shard(model, reshard_after_forward=reshard_after_forward, **kw)
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            # Plain SUM collectives with no scaling (gloo has no PREMUL_SUM).
-            module.set_gradient_divide_factor(1.0)
-            module.set_force_sum_reduction_for_comms(True)
+    for unit in fsdp_units(model):
+        # Plain SUM collectives with no scaling (gloo has no PREMUL_SUM).
+        unit.set_gradient_divide_factor(1.0)
+        unit.set_force_sum_reduction_for_comms(True)
     if dims.device_type == "cpu" and cpu_comm == "shm" and dims.fsdp > 1:
         from RL2.parallel import host_comm
 

@@ -26,9 +26,9 @@ import socket
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import FSDPModule
 
 from RL2.parallel.collectives import gather_objects
+from RL2.parallel.fsdp import fsdp_units
 from RL2.rollout.shm import SharedFile
 
 logger = logging.getLogger(__name__)
@@ -142,10 +142,9 @@ def install(model: torch.nn.Module, max_bytes: int = MAX_BYTES) -> None:
     """Route the all-gathers and reduce-scatters of every FSDP unit of `model` through shared
     memory (one file per process group, made at the first collective)."""
     gather, scatter = HostAllGather(max_bytes), HostReduceScatter(max_bytes)
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.set_custom_all_gather(gather)
-            module.set_custom_reduce_scatter(scatter)
+    for unit in fsdp_units(model):
+        unit.set_custom_all_gather(gather)
+        unit.set_custom_reduce_scatter(scatter)
     model._rl2_host_comms = (gather, scatter)  # for tests: calls served per group
 
 

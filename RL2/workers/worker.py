@@ -6,14 +6,13 @@ import math
 import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
-from torch.distributed.fsdp import FSDPModule
 
 from RL2.algorithms.losses import upcast
 from RL2.data.packing import MicroBatch, pack, plan_micro_batches, token_capacity, unpack
 from RL2.parallel import host_comm
 from RL2.parallel.attention import PackedContext, packed_kwargs
 from RL2.parallel.collectives import gather_objects
-from RL2.parallel.fsdp import parallelize, resolve_reshard
+from RL2.parallel.fsdp import parallelize, reshard, resolve_reshard
 from RL2.parallel.mesh import ParallelDims
 from RL2.utils import onednn
 from RL2.utils.config import check_choice, resolve_dtype
@@ -147,9 +146,7 @@ class Worker:
             # a no-grad pass has no backward to free what it gathered: free it here, so the
             # shards are what the next rollout or sync sees. A frozen model (the reference)
             # keeps its gathered weights for the run: its one all-gather is its last.
-            for module in self.model.modules():
-                if isinstance(module, FSDPModule):
-                    module.reshard()
+            reshard(self.model)
         merged = {}
         for part in gather_objects(local):
             merged.update(part)

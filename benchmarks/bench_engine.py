@@ -186,10 +186,12 @@ def main():
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--compile-decode", action="store_true",
+                        help="the engine's decode step compiled (RL2/rollout/compiled_decode.py)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model = build_model(args)
-    engine = TorchEngine(model, None)
+    engine = TorchEngine(model, None, compile_decode=args.compile_decode)
     rows = []
     workloads = [("(a) one batch", bench_one_batch),
                  ("(a') one batch, mixed responses", bench_one_batch_mixed_responses),

@@ -167,6 +167,12 @@ def decode_static(model, tokens: torch.Tensor, positions: torch.Tensor, column: 
     rows of the cache), `bias` [B, 1, 1, L] masks every column but a row's own tokens and the
     one being written, and this step's keys and values are written at `column` ([1] long, a
     tensor so that a replayed graph reads its new value)."""
+    return static_step(model, tokens, positions, column, bias, keys, values, linear)
+
+
+def static_step(model, tokens, positions, column, bias, keys, values, linear=_linear):
+    """`decode_static` without its inference-mode decorator, for torch.compile to trace (it
+    fails on a decorated function's inference tensors; compiled_decode.py enters the mode)."""
 
     def write(li, k, v):
         keys[li].index_copy_(2, column, k[:, :, None])

@@ -6,8 +6,9 @@ drops rows and returns the new order (old index per new row).
 - `KVRunner` (Llama-family models, the default): our own forward (`llama_forward.py`) over our
   own KV buffers (`kv_cache.BatchKV`). Nothing of transformers' cache API is used. On the CPU
   its linear layers use oneDNN-packed copies of the weights (`RL2/utils/onednn.py`; dropped by
-  `weights_changed`, rebuilt on the next step). On CUDA with `cuda_graph`, decode steps replay
-  CUDA graphs (`cuda_graph.py`; written, not run: no GPU here).
+  `weights_changed`, rebuilt on the next step). With `compile_decode` (CPU) decode steps of two
+  or more rows run one inductor-compiled graph (`compiled_decode.py`). On CUDA with
+  `cuda_graph`, decode steps replay CUDA graphs (`cuda_graph.py`; written, not run: no GPU here).
 - `RecomputeRunner` (every other architecture, or `own_forward=False`): the HF forward over
   each row's whole context at every step, with no KV cache at all. Quadratic in the length, but
   it relies only on the forward's public arguments (`input_ids`, `attention_mask`,
@@ -24,10 +25,17 @@ from RL2.utils.onednn import PackedLinears
 class KVRunner:
     caches_prefixes = True  # rows' KV can be kept for later prompts (`row_kv`)
 
-    def __init__(self, model, device, onednn: bool = True, cuda_graph: bool = False):
+    def __init__(self, model, device, onednn: bool = True, cuda_graph: bool = False,
+                 compile_decode: bool = False):
         self.model, self.device = model, device
         self.linear = PackedLinears(enabled=onednn)
-        self.graphed = None
+        self.graphed = self.compiled = None
+        if compile_decode:
+            if torch.device(device).type != "cpu":
+                raise ValueError("compile_decode is for the CPU engine; on CUDA use cuda_graph")
+            from RL2.rollout.compiled_decode import CompiledDecode
+
+            self.compiled = CompiledDecode(model, self.linear)
         if cuda_graph and torch.device(device).type == "cuda":
             from RL2.rollout.cuda_graph import GraphedDecode
 
@@ -63,6 +71,8 @@ class KVRunner:
         self.kv.reserve(1)
         if self.graphed is not None:
             logits = self.graphed(self.kv, last)
+        elif self.compiled is not None and self.kv.rows > 1:
+            logits = self.compiled(self.kv, last)
         else:
             logits = llama_forward.decode(self.model, last, self.kv, self.linear)
         self.kv.advance()
@@ -121,8 +131,8 @@ class RecomputeRunner:
 
 
 def make_runner(model, device, own_forward: bool = True, onednn: bool = True,
-                cuda_graph: bool = False):
+                cuda_graph: bool = False, compile_decode: bool = False):
     if own_forward and llama_forward.supports(model):
-        return KVRunner(model, device, onednn, cuda_graph)
+        return KVRunner(model, device, onednn, cuda_graph, compile_decode)
     return RecomputeRunner(model, device)
 

@@ -56,7 +56,8 @@ class TorchEngine(Engine):
                  max_batch_size: int = 256, max_prefill_tokens: int = 16384,
                  prefix_cache_mb: float = 512, attn_implementation: str = "sdpa",
                  offload_weights: bool = True, own_forward: bool = True, seed: int = 0,
-                 cpu_matmul: str = "onednn", cuda_graph: bool = False):
+                 cpu_matmul: str = "onednn", cuda_graph: bool = False,
+                 compile_decode: bool = False):
         """`model`: HF directory or an nn.Module (used as is, not copied). `tokenizer`: HF
         tokenizer, a path, or None (then no stop strings and no implicit eos). `offload_weights`:
         release_memory also moves the weights to CPU (only when the device is not CPU).
@@ -66,7 +67,9 @@ class TorchEngine(Engine):
         without a cache, as other architectures always do; for tests). `cpu_matmul`: "onednn"
         (linear layers on oneDNN-packed weights on the CPU, RL2/utils/onednn.py) or "aten".
         `cuda_graph`: on CUDA, decode steps of Llama-family models replay CUDA graphs
-        (RL2/rollout/cuda_graph.py; written, not run on a GPU)."""
+        (RL2/rollout/cuda_graph.py; written, not run on a GPU). `compile_decode`: on the CPU,
+        decode steps of Llama-family models run one torch.compile'd graph
+        (RL2/rollout/compiled_decode.py; the first step compiles, ~15 s)."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         if isinstance(dtype, str):
@@ -83,7 +86,7 @@ class TorchEngine(Engine):
         self.tokenizer = tokenizer
         use_onednn = check_choice(cpu_matmul, "cpu_matmul", onednn.CHOICES) == "onednn"
         self.runner = make_runner(self.model, self.device, own_forward, onednn=use_onednn,
-                                  cuda_graph=cuda_graph)
+                                  cuda_graph=cuda_graph, compile_decode=compile_decode)
         self.own_forward = self.runner.caches_prefixes
         cfg = self.model.config.get_text_config(decoder=True)
         self.vocab_size = self.model.get_output_embeddings().weight.shape[0]

@@ -112,9 +112,15 @@ class PackedLinears:
         """[proj(x) for proj in projs] as ONE product with the weights stacked (q/k/v, gate/up):
         at a decode step's few rows a wider matmul runs closer to the peak (16 rows, 25.7M
         model: q/k/v 135 -> 95 us, gate/up 265 -> 245 us; benchmarks/README.md, fix 14)."""
+        return list(self.stacked(x, projs).split([p.weight.shape[0] for p in projs], dim=-1))
+
+    def stacked(self, x: torch.Tensor, projs: tuple) -> torch.Tensor:
+        """torch.cat([proj(x) for proj in projs], -1), computed as one product when it can be."""
+        if len(projs) == 1:
+            return self(x, projs[0])
         ws = [p.weight for p in projs]
         if not self.enabled or x.numel() == 0 or not all(_eligible(x, w) for w in ws):
-            return [self(x, p) for p in projs]
+            return torch.cat([self(x, p) for p in projs], dim=-1)
         key = tuple(w.data_ptr() for w in ws)
         entry = self._packed.get(projs)
         if entry is None or entry[0] != key:
@@ -125,4 +131,4 @@ class PackedLinears:
             stacked = torch.cat([w.detach() for w in ws])
             entry = (key, torch.ops.mkldnn._reorder_linear_weight(stacked, None), bias)
             self._packed[projs] = entry
-        return list(_mm(x, entry[1], entry[2]).split([w.shape[0] for w in ws], dim=-1))
+        return _mm(x, entry[1], entry[2])

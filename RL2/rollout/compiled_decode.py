@@ -1,0 +1,122 @@
+"""The embedded engine's decode step compiled with `torch.compile` (inductor), CPU, opt-in
+(`actor.rollout.torch.compile_decode`).
+
+Why: with the linear layers on oneDNN-packed weights, a decode step of the 25.7M-param model at
+16 rows still spent ~4 ms of ~12 in some 200 small eager ops per step (RMSNorm, rotary, softmax,
+residual adds, KV writes), each paying PyTorch's per-op dispatch. Inductor fuses them into a few
+C++ loops called from one compiled graph (benchmarks/README.md, fix 16).
+
+How:
+- the step compiled is `llama_forward.static_step` (the step `decode_static` runs: the write
+  column a tensor, padding an additive bias), given the live window of the KV buffers. Rows and
+  columns are marked dynamic, so one graph serves every batch of >= 2 rows at every length. A
+  one-row batch runs eagerly (dynamo specialises sizes 0 and 1).
+- the linear layers stay on oneDNN's packed weights: they go through the custom op
+  `rl2::packed_linear`, opaque to inductor (which would otherwise send them to aten's matmul,
+  ~2.7x slower on AMD CPUs: RL2/utils/onednn.py). The op's `slot` names a (PackedLinears,
+  modules) pair held here, so weights updated, shared or released are repacked exactly as in
+  the eager step.
+- past dynamo's recompile limit the step runs eagerly (torch's own fallback); the first step
+  pays the compile (~15 s on 2 cores, cached on disk by inductor for later runs).
+"""
+from __future__ import annotations
+
+import itertools
+import types
+import weakref
+
+import torch
+
+from RL2.rollout import llama_forward
+
+_SLOTS: dict[int, tuple] = {}  # slot -> (PackedLinears, modules)
+_next_slot = itertools.count()
+
+
+@torch.library.custom_op("rl2::packed_linear", mutates_args=())
+def packed_linear(x: torch.Tensor, slot: int, out: int) -> torch.Tensor:
+    """torch.cat([m(x) for m in modules], -1) through the slot's PackedLinears."""
+    linear, projs = _SLOTS[slot]
+    return linear.stacked(x, projs)
+
+
+@packed_linear.register_fake
+def _(x: torch.Tensor, slot: int, out: int) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], out)
+
+
+class _OpLinear:
+    """The `linear` argument of `llama_forward` inside the compiled step: each projection (or
+    stacked group) is one `rl2::packed_linear` call."""
+
+    def __init__(self, slots: dict):
+        self.slots = slots  # tuple of modules -> (slot, output features)
+
+    def __call__(self, x: torch.Tensor, proj) -> torch.Tensor:
+        slot, out = self.slots[(proj,)]
+        return torch.ops.rl2.packed_linear(x, slot, out)
+
+    def many(self, x: torch.Tensor, projs: tuple) -> list[torch.Tensor]:
+        slot, out = self.slots[projs]
+        return list(torch.ops.rl2.packed_linear(x, slot, out).split(
+            [p.weight.shape[0] for p in projs], dim=-1))
+
+
+def _groups(model) -> list[tuple]:
+    """Every module group `llama_forward` passes to `linear` / `linear.many`."""
+    groups = []
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        groups += [(attn.q_proj, attn.k_proj, attn.v_proj), (attn.o_proj,),
+                   (mlp.gate_proj, mlp.up_proj), (mlp.down_proj,)]
+    if isinstance(model.lm_head, torch.nn.Linear):
+        groups.append((model.lm_head,))
+    return groups
+
+
+def _free(slots: list[int]) -> None:
+    for slot in slots:
+        _SLOTS.pop(slot, None)
+
+
+class CompiledDecode:
+    def __init__(self, model, linear):
+        self.model = model
+        slots = {}
+        for projs in _groups(model):
+            slot = next(_next_slot)
+            _SLOTS[slot] = (linear, projs)
+            slots[projs] = (slot, sum(p.weight.shape[0] for p in projs))
+        weakref.finalize(self, _free, [s for s, _ in slots.values()])
+        op_linear = _OpLinear(slots)
+
+        def step(tokens, positions, column, bias, keys, values):
+            return llama_forward.static_step(model, tokens, positions, column, bias, keys,
+                                               values, op_linear)
+
+        # dynamo keeps compiled graphs per code object; the graph bakes in this instance's slots
+        # and skips module guards (below), so each instance gets a code object of its own
+        step = types.FunctionType(step.__code__.replace(co_name=f"decode_step_{min(s for s, _ in slots.values())}"),
+                                  step.__globals__, closure=step.__closure__)
+        # the modules never change structure here (weights are updated through `.data` or in
+        # place), so their guards, ~0.3 ms per step, are skipped; the inputs' guards stay
+        self.step = torch.compile(step, fullgraph=True, dynamic=False, options={
+            "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
+        self.calls = 0  # compiled steps run (tests check the compiled path is the one taken)
+
+    def __call__(self, kv, tokens: torch.Tensor) -> torch.Tensor:
+        """`llama_forward.decode(model, tokens, kv)` (kv.rows >= 2) through the compiled step."""
+        # the live window (and the column written), not the whole buffers: a batch reserves
+        # up to ROOM_CAP decode columns at once, so a whole-buffer step attends over ~10x more
+        live = (slice(0, kv.rows), slice(None), slice(kv.start, kv.end + 1))
+        keys, values = [k[live] for k in kv.k], [v[live] for v in kv.v]
+        bias = kv.bias(dtype=self.model.model.embed_tokens.weight.dtype)
+        column = torch.tensor([kv.end - kv.start], device=tokens.device)
+        for t in (tokens, kv.lens, bias, *keys, *values):
+            torch._dynamo.mark_dynamic(t, 0)  # rows
+        for t in (*keys, *values):
+            torch._dynamo.mark_dynamic(t, 2)  # columns
+        torch._dynamo.mark_dynamic(bias, 3)
+        self.calls += 1
+        with torch.inference_mode():
+            return self.step(tokens, kv.lens, column, bias, keys, values)

@@ -1,0 +1,76 @@
+"""The torch engine's compiled decode step (RL2/rollout/compiled_decode.py, CPU, opt-in): greedy
+tokens == HF generate and log-probs == an HF forward; one graph for every batch (rows finishing
+at different steps, requests joining a decoding batch, growing lengths, buffer reallocations);
+weights updated in place or shared (storage replaced) are what the compiled step computes with;
+a one-row batch runs eagerly; two engines in one process keep their own weights."""
+import asyncio
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from RL2.rollout.engine import SamplingParams, make_engine
+from RL2.rollout.model_runner import KVRunner
+from RL2.rollout.torch_engine import TorchEngine
+from tests.test_torch_engine import (CharTokenizer, hf_greedy, hf_logprobs, random_prompts,
+                                     staggered, tiny_model)
+
+
+def _graphs() -> int:
+    return counters["stats"]["unique_graphs"]
+
+
+def _greedy(engine, prompts, lengths, gap=0):
+    jobs = [(p, SamplingParams(temperature=0, max_new_tokens=k)) for p, k in zip(prompts, lengths)]
+    return [o[0] for o in asyncio.run(staggered(engine, jobs, gap=gap))]
+
+
+def test_compiled_decode_matches_hf_with_one_graph():
+    model = tiny_model(max_pos=256)
+    engine = make_engine("torch", model, CharTokenizer(), compile_decode=True)
+    compiled = engine.runner.compiled
+    assert compiled is not None
+    prompts = random_prompts(11, seed=3)
+    lengths = [4 + 7 * (i % 4) for i in range(11)]  # rows finish at different steps
+    before = _graphs()
+    for gap in (0, 3):  # all at once; staggered (rows join a decoding batch, buffers grow)
+        for prompt, k, out in zip(prompts, lengths, _greedy(engine, prompts, lengths, gap)):
+            ref = hf_greedy(model, prompt, k)
+            assert out.token_ids == ref
+            torch.testing.assert_close(torch.tensor(out.logprobs), hf_logprobs(model, prompt, ref, 1.0),
+                                       atol=1e-5, rtol=0)
+    assert compiled.calls >= 40, compiled.calls
+    # one compiled graph served every row count (11 .. 2) and length: no recompiles, no
+    # fallback to eager (which would not count as a graph)
+    assert _graphs() - before == 1
+    # a one-row batch runs eagerly (dynamo would specialise on size 1)
+    calls = compiled.calls
+    (out,) = _greedy(engine, prompts[:1], [9])
+    assert out.token_ids == hf_greedy(model, prompts[0], 9) and compiled.calls == calls
+
+
+@pytest.mark.slow
+def test_compiled_decode_sees_updated_and_shared_weights():
+    """update_weights copies in place, share_weights replaces each parameter's storage: both
+    reach the compiled step (its linear layers repack through `rl2::packed_linear`, the other
+    weights are graph inputs). A second engine in the process keeps its own weights (each
+    engine compiles its own graph: the graph names its engine's packed weights)."""
+    m1, m2, m3 = (tiny_model(seed=s, tie=True) for s in (0, 1, 2))
+    engine = TorchEngine(tiny_model(seed=0, tie=True), CharTokenizer(), compile_decode=True)
+    other = TorchEngine(tiny_model(seed=1, tie=True), CharTokenizer(), compile_decode=True)
+    prompts, lengths = random_prompts(4, seed=7), [12] * 4
+    tokens = lambda e: [o.token_ids for o in _greedy(e, prompts, lengths)]
+    assert tokens(engine) == [hf_greedy(m1, p, 12) for p in prompts]
+    assert tokens(other) == [hf_greedy(m2, p, 12) for p in prompts]
+    engine.update_weights(m2.state_dict().items())
+    assert tokens(engine) == [hf_greedy(m2, p, 12) for p in prompts]
+    shared = {k: v.clone() for k, v in m3.state_dict().items()}
+    engine.share_weights(shared.items())
+    assert tokens(engine) == [hf_greedy(m3, p, 12) for p in prompts]
+    assert tokens(other) == [hf_greedy(m2, p, 12) for p in prompts]
+    assert engine.runner.compiled.calls > 0 and other.runner.compiled.calls > 0
+
+
+def test_compiled_decode_is_refused_off_the_cpu():
+    with pytest.raises(ValueError, match="compile_decode is for the CPU"):
+        KVRunner(tiny_model(), "cuda", compile_decode=True)

@@ -74,3 +74,22 @@ def test_compiled_decode_sees_updated_and_shared_weights():
 def test_compiled_decode_is_refused_off_the_cpu():
     with pytest.raises(ValueError, match="compile_decode is for the CPU"):
         KVRunner(tiny_model(), "cuda", compile_decode=True)
+
+
+def test_compile_failure_falls_back_to_eager_decoding(caplog):
+    """Inductor needs a C++ compiler on the CPU: if compiling fails, the engine says so once
+    and decodes eagerly; no request fails."""
+    model = tiny_model()
+    engine = TorchEngine(model, None, compile_decode=True)
+
+    def no_compiler(*args):
+        raise RuntimeError("InvalidCxxCompiler: No working C++ compiler found")
+    engine.runner.compiled.step = no_compiler
+    prompts = random_prompts(3, seed=4)
+    with caplog.at_level("WARNING", logger="RL2.rollout.compiled_decode"):
+        outs = _greedy(engine, prompts, [8] * 3)
+    assert [o.token_ids for o in outs] == [hf_greedy(model, p, 8, eos=None) for p in prompts]
+    assert engine.runner.compiled is None
+    assert [r.getMessage() for r in caplog.records if "decoding eagerly" in r.getMessage()] == [
+        "compile_decode: the compiled decode step failed (RuntimeError: InvalidCxxCompiler: No "
+        "working C++ compiler found); decoding eagerly from now on"]

@@ -16,18 +16,22 @@ How:
   ~2.7x slower on AMD CPUs: RL2/utils/onednn.py). The op's `slot` names a (PackedLinears,
   modules) pair held here, so weights updated, shared or released are repacked exactly as in
   the eager step.
-- past dynamo's recompile limit the step runs eagerly (torch's own fallback); the first step
-  pays the compile (~15 s on 2 cores, cached on disk by inductor for later runs).
+- past dynamo's recompile limit the step runs eagerly (torch's own fallback); if compiling
+  fails (inductor needs a C++ compiler on the CPU), the engine logs it and decodes eagerly. The
+  first step pays the compile (~15-20 s on 2 cores; inductor caches it on disk for later runs).
 """
 from __future__ import annotations
 
 import itertools
+import logging
 import types
 import weakref
 
 import torch
 
 from RL2.rollout import llama_forward
+
+logger = logging.getLogger(__name__)
 
 _SLOTS: dict[int, tuple] = {}  # slot -> (PackedLinears, modules)
 _next_slot = itertools.count()
@@ -120,3 +124,19 @@ class CompiledDecode:
         self.calls += 1
         with torch.inference_mode():
             return self.step(tokens, kv.lens, column, bias, keys, values)
+
+
+def run(runner, kv, tokens: torch.Tensor) -> torch.Tensor | None:
+    """The compiled step of `runner` (a KVRunner), or None when the eager step should run: a
+    one-row batch, or compiling failed (e.g. no C++ compiler on this machine), which is logged
+    once and turns compilation off for the runner. Re-running eagerly after a failure is safe:
+    the step writes the same column with the same keys and values."""
+    if runner.compiled is None or kv.rows < 2:
+        return None
+    try:
+        return runner.compiled(kv, tokens)
+    except Exception as e:  # noqa: BLE001 - any compile failure: the eager step still works
+        logger.warning("compile_decode: the compiled decode step failed (%s: %s); decoding "
+                       "eagerly from now on", type(e).__name__, str(e).splitlines()[0][:300])
+        runner.compiled = None
+        return None

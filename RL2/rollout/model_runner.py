@@ -17,7 +17,7 @@ drops rows and returns the new order (old index per new row).
 """
 import torch
 
-from RL2.rollout import llama_forward
+from RL2.rollout import compiled_decode, llama_forward
 from RL2.rollout.kv_cache import BatchKV
 from RL2.utils.onednn import PackedLinears
 
@@ -33,9 +33,7 @@ class KVRunner:
         if compile_decode:
             if torch.device(device).type != "cpu":
                 raise ValueError("compile_decode is for the CPU engine; on CUDA use cuda_graph")
-            from RL2.rollout.compiled_decode import CompiledDecode
-
-            self.compiled = CompiledDecode(model, self.linear)
+            self.compiled = compiled_decode.CompiledDecode(model, self.linear)
         if cuda_graph and torch.device(device).type == "cuda":
             from RL2.rollout.cuda_graph import GraphedDecode
 
@@ -71,10 +69,10 @@ class KVRunner:
         self.kv.reserve(1)
         if self.graphed is not None:
             logits = self.graphed(self.kv, last)
-        elif self.compiled is not None and self.kv.rows > 1:
-            logits = self.compiled(self.kv, last)
         else:
-            logits = llama_forward.decode(self.model, last, self.kv, self.linear)
+            logits = compiled_decode.run(self, self.kv, last)
+            if logits is None:
+                logits = llama_forward.decode(self.model, last, self.kv, self.linear)
         self.kv.advance()
         return logits
 

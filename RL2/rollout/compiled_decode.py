@@ -108,12 +108,16 @@ class CompiledDecode:
 
         # dynamo keeps compiled graphs per code object; the graph bakes in this instance's slots
         # and skips module guards (below), so each instance gets a code object of its own
-        step = types.FunctionType(step.__code__.replace(co_name=f"decode_step_{min(s for s, _ in slots.values())}"),
-                                  step.__globals__, closure=step.__closure__)
+        name = f"decode_step_{min(s for s, _ in slots.values())}"
+        step = types.FunctionType(step.__code__.replace(co_name=name), step.__globals__,
+                                  closure=step.__closure__)
         # the modules never change structure here (weights are updated through `.data` or in
         # place), so their guards, ~0.3 ms per step, are skipped; the inputs' guards stay
+        # emulate_precision_casts: in bf16, round where the eager ops round (inductor would
+        # otherwise keep fused intermediates in fp32 and drift from the trainer's log-probs)
         self.step = torch.compile(step, fullgraph=True, dynamic=False, options={
-            "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
+            "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
+            "emulate_precision_casts": True})
         self.calls = 0  # compiled steps run (tests check the compiled path is the one taken)
 
     def __call__(self, kv, tokens: torch.Tensor) -> torch.Tensor:

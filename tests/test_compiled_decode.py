@@ -12,6 +12,7 @@ from torch._dynamo.utils import counters
 from RL2.rollout.engine import SamplingParams, make_engine
 from RL2.rollout.model_runner import KVRunner
 from RL2.rollout.torch_engine import TorchEngine
+from tests.run_utils import FIRST_WORD_ENV, read_metrics, run_trainer
 from tests.test_torch_engine import (CharTokenizer, hf_greedy, hf_logprobs, random_prompts,
                                      staggered, tiny_model)
 
@@ -109,3 +110,25 @@ def test_compiled_bf16_engine_rounds_as_the_eager_one():
         assert eager.token_ids == compiled.token_ids
         torch.testing.assert_close(torch.tensor(compiled.logprobs), torch.tensor(eager.logprobs),
                                    atol=1e-4, rtol=0)
+
+
+@pytest.mark.slow
+def test_ppo_with_the_compiled_engine_samples_the_trainers_policy(assets, tmp_path):
+    """A 2-rank GRPO run with `actor.rollout.torch.compile_decode=true`: the compiled step is
+    the one decoding (rank 0's log line, no fallback) and its log-probs are the trainer's
+    (strict_on_policy checks them at every step; engine_kl ~ fp32 rounding)."""
+    env = tmp_path / "env.py"
+    env.write_text(FIRST_WORD_ENV)
+    proc = run_trainer("ppo", 2, [
+        f"actor.model_name={assets['model']}", f"data.train.path={assets['data']}/ppo_train.jsonl",
+        f"actor.rollout.env_path={env}", "actor.rollout.torch.compile_decode=true",
+        "actor.strict_on_policy=true", "actor.rollout.max_length=128",
+        "actor.rollout.prompts_per_rollout=4", "actor.rollout.responses_per_prompt=4",
+        "actor.rollout.train_sampling_params.max_new_tokens=6", "trainer.total_steps=3"],
+        tmp_path / "run", timeout=900)
+    logs = proc.stdout + proc.stderr
+    assert "compile_decode: compiling the decode step" in logs, logs[-3000:]  # rank 0 logs
+    assert "decoding eagerly" not in logs
+    gaps = [abs(r["rollout/engine_kl"]) for r in read_metrics(tmp_path / "run")
+            if "rollout/engine_kl" in r]
+    assert len(gaps) == 3 and max(gaps) < 1e-6, gaps

@@ -133,6 +133,8 @@ class CompiledDecode:
         for t in (*keys, *values):
             torch._dynamo.mark_dynamic(t, 2)  # columns
         torch._dynamo.mark_dynamic(bias, 3)
+        if not self.calls:
+            logger.info("compile_decode: compiling the decode step (once per process; ~20 s)")
         self.calls += 1
         with torch.inference_mode():
             return self.step(tokens, kv.lens, column, bias, keys, values)

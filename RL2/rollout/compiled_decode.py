@@ -16,9 +16,13 @@ How:
   ~2.7x slower on AMD CPUs: RL2/utils/onednn.py). The op's `slot` names a (PackedLinears,
   modules) pair held here, so weights updated, shared or released are repacked exactly as in
   the eager step.
-- past dynamo's recompile limit the step runs eagerly (torch's own fallback); if compiling
-  fails (inductor needs a C++ compiler on the CPU), the engine logs it and decodes eagerly. The
-  first step pays the compile (~15-20 s on 2 cores; inductor caches it on disk for later runs).
+- if compiling fails (inductor needs a C++ compiler on the CPU; a model whose rotary module
+  branches on data, e.g. "dynamic" RoPE, cannot be traced whole; past dynamo's recompile limit,
+  which `fullgraph` turns into an error), the engine logs it once and decodes eagerly. The first
+  step of each engine compiles (~15-20 s on 2 cores).
+- the graph reads the modules' parameters at every call (so in-place updates and `.data`
+  replacements reach it; `weights_changed` repacks the linear layers) but its module guards are
+  skipped: replacing modules or Parameter objects needs a new CompiledDecode.
 """
 from __future__ import annotations
 
@@ -74,18 +78,6 @@ class _OpLinear:
             [p.weight.shape[0] for p in projs], dim=-1))
 
 
-def _groups(model) -> list[tuple]:
-    """Every module group `llama_forward` passes to `linear` / `linear.many`."""
-    groups = []
-    for layer in model.model.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        groups += [(attn.q_proj, attn.k_proj, attn.v_proj), (attn.o_proj,),
-                   (mlp.gate_proj, mlp.up_proj), (mlp.down_proj,)]
-    if isinstance(model.lm_head, torch.nn.Linear):
-        groups.append((model.lm_head,))
-    return groups
-
-
 def _free(slots: list[int]) -> None:
     for slot in slots:
         _SLOTS.pop(slot, None)
@@ -95,7 +87,7 @@ class CompiledDecode:
     def __init__(self, model, linear):
         self.model = model
         slots = {}
-        for projs in _groups(model):
+        for projs in llama_forward.linear_groups(model):
             slot = next(_next_slot)
             _SLOTS[slot] = (linear, projs)
             slots[projs] = (slot, sum(p.weight.shape[0] for p in projs))
@@ -112,7 +104,7 @@ class CompiledDecode:
         step = types.FunctionType(step.__code__.replace(co_name=name), step.__globals__,
                                   closure=step.__closure__)
         # the modules never change structure here (weights are updated through `.data` or in
-        # place), so their guards, ~0.3 ms per step, are skipped; the inputs' guards stay
+        # place), so their guards are skipped (0.34 -> 0.14 ms per step); the inputs' stay
         # emulate_precision_casts: in bf16, round where the eager ops round (inductor would
         # otherwise keep fused intermediates in fp32 and drift from the trainer's log-probs)
         self.step = torch.compile(step, fullgraph=True, dynamic=False, options={
@@ -124,7 +116,7 @@ class CompiledDecode:
         """`llama_forward.decode(model, tokens, kv)` (kv.rows >= 2) through the compiled step."""
         # the live window (and the column written), not the whole buffers: a batch reserves
         # up to ROOM_CAP decode columns at once, so a whole-buffer step attends over ~10x more
-        live = (slice(0, kv.rows), slice(None), slice(kv.start, kv.end + 1))
+        live = kv.live()
         keys, values = [k[live] for k in kv.k], [v[live] for v in kv.v]
         bias = kv.bias(dtype=self.model.model.embed_tokens.weight.dtype)
         column = torch.tensor([kv.end - kv.start], device=tokens.device)
@@ -134,7 +126,7 @@ class CompiledDecode:
             torch._dynamo.mark_dynamic(t, 2)  # columns
         torch._dynamo.mark_dynamic(bias, 3)
         if not self.calls:
-            logger.info("compile_decode: compiling the decode step (once per process; ~20 s)")
+            logger.info("compile_decode: compiling the decode step (once per engine; ~15-20 s)")
         self.calls += 1
         with torch.inference_mode():
             return self.step(tokens, kv.lens, column, bias, keys, values)
@@ -150,7 +142,8 @@ def run(runner, kv, tokens: torch.Tensor) -> torch.Tensor | None:
     try:
         return runner.compiled(kv, tokens)
     except Exception as e:  # noqa: BLE001 - any compile failure: the eager step still works
-        logger.warning("compile_decode: the compiled decode step failed (%s: %s); decoding "
-                       "eagerly from now on", type(e).__name__, str(e).splitlines()[0][:300])
         runner.compiled = None
+        first = (str(e).splitlines() or [""])[0][:300]
+        logger.warning("compile_decode: the compiled decode step failed (%s: %s); decoding "
+                       "eagerly from now on", type(e).__name__, first)
         return None

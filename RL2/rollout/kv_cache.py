@@ -70,8 +70,12 @@ class BatchKV:
         window [rows, heads, end + 1 - start, dim] of keys and values including it."""
         self.k[li][:self.rows, :, self.end] = k
         self.v[li][:self.rows, :, self.end] = v
-        live = (slice(0, self.rows), slice(None), slice(self.start, self.end + 1))
+        live = self.live()
         return self.k[li][live], self.v[li][live]
+
+    def live(self) -> tuple:
+        """Index of the live window of a buffer, the decode column at `end` included."""
+        return slice(0, self.rows), slice(None), slice(self.start, self.end + 1)
 
     def advance(self) -> None:
         """The decode column is written in every layer: it becomes part of each row."""

@@ -91,6 +91,19 @@ def _finish_layer(layer, x: torch.Tensor, attn_out: torch.Tensor, linear=_linear
     return x + linear(F.silu(gate) * up, mlp.down_proj)
 
 
+def linear_groups(model) -> list[tuple]:
+    """Every module group this file passes to `linear` (one module) or `linear.many` (q/k/v,
+    gate/up): `_qkv`, `_finish_layer` and `_logits` below; compiled_decode.py names each one."""
+    groups = []
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        groups += [(attn.q_proj, attn.k_proj, attn.v_proj), (attn.o_proj,),
+                   (mlp.gate_proj, mlp.up_proj), (mlp.down_proj,)]
+    if isinstance(model.lm_head, torch.nn.Linear):
+        groups.append((model.lm_head,))
+    return groups
+
+
 def _logits(model, x: torch.Tensor, linear=_linear) -> torch.Tensor:
     h = _norm(model.model.norm, x)
     head = model.lm_head

@@ -69,7 +69,7 @@ class TorchEngine(Engine):
         `cuda_graph`: on CUDA, decode steps of Llama-family models replay CUDA graphs
         (RL2/rollout/cuda_graph.py; written, not run on a GPU). `compile_decode`: on the CPU,
         decode steps of Llama-family models run one torch.compile'd graph
-        (RL2/rollout/compiled_decode.py; the first step compiles, ~15 s)."""
+        (RL2/rollout/compiled_decode.py; the first step compiles, ~15-20 s)."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         if isinstance(dtype, str):

@@ -112,10 +112,14 @@ class PackedLinears:
         """[proj(x) for proj in projs] as ONE product with the weights stacked (q/k/v, gate/up):
         at a decode step's few rows a wider matmul runs closer to the peak (16 rows, 25.7M
         model: q/k/v 135 -> 95 us, gate/up 265 -> 245 us; benchmarks/README.md, fix 14)."""
+        if not self.enabled or x.numel() == 0 or not all(_eligible(x, p.weight) for p in projs):
+            return [self(x, p) for p in projs]
         return list(self.stacked(x, projs).split([p.weight.shape[0] for p in projs], dim=-1))
 
     def stacked(self, x: torch.Tensor, projs: tuple) -> torch.Tensor:
         """torch.cat([proj(x) for proj in projs], -1), computed as one product when it can be."""
+        if len(projs) == 1:  # one packed copy per module, shared with __call__ (bias read live)
+            return self(x, projs[0])
         ws = [p.weight for p in projs]
         key = tuple(w.data_ptr() for w in ws)
         entry = self._packed.get(projs)
@@ -126,7 +130,7 @@ class PackedLinears:
             return _mm(x, entry[1], entry[2])
         if not self.enabled or x.numel() == 0 or not all(_eligible(x, w) for w in ws):
             return torch.cat([self(x, p) for p in projs], dim=-1)
-        if entry is None or entry[0] != key:
+        if entry is None or entry[0] != key:  # not packed yet, or the weights were replaced
             bias = None
             if any(p.bias is not None for p in projs):
                 bias = torch.cat([p.bias.detach() if p.bias is not None else

@@ -96,6 +96,7 @@ def test_compile_failure_falls_back_to_eager_decoding(caplog):
         "working C++ compiler found); decoding eagerly from now on"]
 
 
+@pytest.mark.slow  # a second compile; the fast subset keeps the fp32 one
 def test_compiled_bf16_engine_rounds_as_the_eager_one():
     """In bf16 inductor would keep fused intermediates in fp32 (log-probs 0.06 away from the
     eager engine on this model); with its precision-cast emulation the two agree."""

@@ -112,8 +112,11 @@ class CompiledDecode:
             "emulate_precision_casts": True})
         self.calls = 0  # compiled steps run (tests check the compiled path is the one taken)
 
-    def __call__(self, kv, tokens: torch.Tensor) -> torch.Tensor:
-        """`llama_forward.decode(model, tokens, kv)` (kv.rows >= 2) through the compiled step."""
+    def __call__(self, kv, tokens: torch.Tensor) -> torch.Tensor | None:
+        """`llama_forward.decode(model, tokens, kv)` (kv.rows >= 2) through the compiled step, or
+        None when it failed (e.g. no C++ compiler on this machine): logged once; the caller then
+        decodes eagerly and drops this object. Re-running the step eagerly is safe: it writes the
+        same column with the same keys and values."""
         # the live window (and the column written), not the whole buffers: a batch reserves
         # up to ROOM_CAP decode columns at once, so a whole-buffer step attends over ~10x more
         live = kv.live()
@@ -128,22 +131,11 @@ class CompiledDecode:
         if not self.calls:
             logger.info("compile_decode: compiling the decode step (once per engine; ~15-20 s)")
         self.calls += 1
-        with torch.inference_mode():
-            return self.step(tokens, kv.lens, column, bias, keys, values)
-
-
-def run(runner, kv, tokens: torch.Tensor) -> torch.Tensor | None:
-    """The compiled step of `runner` (a KVRunner), or None when the eager step should run: a
-    one-row batch, or compiling failed (e.g. no C++ compiler on this machine), which is logged
-    once and turns compilation off for the runner. Re-running eagerly after a failure is safe:
-    the step writes the same column with the same keys and values."""
-    if runner.compiled is None or kv.rows < 2:
-        return None
-    try:
-        return runner.compiled(kv, tokens)
-    except Exception as e:  # noqa: BLE001 - any compile failure: the eager step still works
-        runner.compiled = None
-        first = (str(e).splitlines() or [""])[0][:300]
-        logger.warning("compile_decode: the compiled decode step failed (%s: %s); decoding "
-                       "eagerly from now on", type(e).__name__, first)
-        return None
+        try:
+            with torch.inference_mode():
+                return self.step(tokens, kv.lens, column, bias, keys, values)
+        except Exception as e:  # noqa: BLE001 - any compile failure: the eager step still works
+            first = (str(e).splitlines() or [""])[0][:300]
+            logger.warning("compile_decode: the compiled decode step failed (%s: %s); decoding "
+                           "eagerly from now on", type(e).__name__, first)
+            return None

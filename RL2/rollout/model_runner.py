@@ -17,7 +17,7 @@ drops rows and returns the new order (old index per new row).
 """
 import torch
 
-from RL2.rollout import compiled_decode, llama_forward
+from RL2.rollout import llama_forward
 from RL2.rollout.kv_cache import BatchKV
 from RL2.utils.onednn import PackedLinears
 
@@ -33,7 +33,9 @@ class KVRunner:
         if compile_decode:
             if torch.device(device).type != "cpu":
                 raise ValueError("compile_decode is for the CPU engine; on CUDA use cuda_graph")
-            self.compiled = compiled_decode.CompiledDecode(model, self.linear)
+            from RL2.rollout.compiled_decode import CompiledDecode  # registers its op: only if used
+
+            self.compiled = CompiledDecode(model, self.linear)
         if cuda_graph and torch.device(device).type == "cuda":
             from RL2.rollout.cuda_graph import GraphedDecode
 
@@ -70,7 +72,11 @@ class KVRunner:
         if self.graphed is not None:
             logits = self.graphed(self.kv, last)
         else:
-            logits = compiled_decode.run(self, self.kv, last)
+            logits = None
+            if self.compiled is not None and self.kv.rows > 1:  # one row: eager (dynamo
+                logits = self.compiled(self.kv, last)            # specialises size 1)
+                if logits is None:  # compiling failed (logged): eager from now on
+                    self.compiled = None
             if logits is None:
                 logits = llama_forward.decode(self.model, last, self.kv, self.linear)
         self.kv.advance()

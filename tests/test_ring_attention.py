@@ -57,7 +57,7 @@ def reference_attention(q, k, v, lengths_padded):
     return torch.cat(outs)
 
 
-def check_ring(group, sp, rank):
+def check_ring(group, sp, rank, host=None):
     """Max |ring - reference| of out, dq, dk, dv on this rank, per dtype."""
     errors = {}
     lp = padded(LENGTHS, sp)
@@ -74,7 +74,7 @@ def check_ring(group, sp, rank):
         ref_grads = torch.autograd.grad(ref_out, ref_in, dout)
 
         local = [zigzag(x, lp, sp, rank).requires_grad_() for x in (q, k, v)]
-        out = ring_attention(*local, local_cu_seqlens(lp, sp), max(lp) // sp, group)
+        out = ring_attention(*local, local_cu_seqlens(lp, sp), max(lp) // sp, group, host=host)
         out.backward(zigzag(dout, lp, sp, rank))
         errors[str(dtype)] = {
             name: (a - zigzag(b, lp, sp, rank)).abs().max().item()
@@ -89,7 +89,13 @@ def check_ring(group, sp, rank):
 
 
 def _ring_worker(rank, world_size, sub_size):
+    from RL2.parallel.host_comm import HostGroup
+
     results = {"world": check_ring(dist.group.WORLD, world_size, rank)}
+    # K/V blocks through shared memory (the CPU default, actor.cpu_comm=shm) instead of P2P
+    host = HostGroup(dist.group.WORLD)
+    results["world_shm"] = check_ring(dist.group.WORLD, world_size, rank, host)
+    assert host.calls > 0  # served through shared memory, not a silent fallback to P2P
     # sp groups of sub_size inside the world (dp x sp); every rank creates every group.
     # sub_size 1: the ring degenerates to local causal attention without communication.
     groups = [dist.new_group(list(range(s, s + sub_size))) for s in range(0, world_size, sub_size)]
@@ -184,3 +190,42 @@ def test_model_with_sp2_equals_single_process():
         for arch, err in rank_errors.items():
             assert err["logits"] < 1e-5, (arch, err)
             assert err["grads_rel"] < 1e-5, (arch, err)
+
+
+# --- one block: ATen's CPU flash kernel (the CPU path) == the matmul version (other devices) ----
+
+def test_block_kernels_agree():
+    """Both block implementations against each other, with the global out/lse of a two-block
+    softmax as the ring's backward passes them: causal diagonal and full blocks, GQA, float64."""
+    from RL2.parallel import ring_attention as ra
+
+    g = torch.Generator().manual_seed(3)
+    c = 7
+    q, dout = (torch.randn(c, HQ, DIM, generator=g, dtype=torch.float64) for _ in range(2))
+    k, v = (torch.randn(2 * c, HKV, DIM, generator=g, dtype=torch.float64) for _ in range(2))
+    scale = DIM ** -0.5
+    # the query chunk sees key chunk 0 whole and key chunk 1 causally (its own chunk)
+    blocks = [(slice(0, c), False), (slice(c, 2 * c), True)]
+    results = {}
+    for name, fwd, bwd in [("flash", ra._flash_block_forward, ra._flash_block_backward),
+                           ("matmul", ra._matmul_block_forward, ra._matmul_block_backward)]:
+        parts = [fwd(q, k[ks], v[ks], scale, causal) for ks, causal in blocks]
+        lse = torch.logaddexp(parts[0][1], parts[1][1])
+        out = sum(o * torch.exp(l - lse).T[..., None] for o, l in parts)
+        grads = [bwd(dout, q, k[ks], v[ks], out, lse, scale, causal) for ks, causal in blocks]
+        dq = grads[0][0] + grads[1][0]
+        dk = torch.cat([grads[0][1], grads[1][1]])
+        dv = torch.cat([grads[0][2], grads[1][2]])
+        results[name] = (out, lse, dq, dk, dv)
+    # reference: autograd through plain softmax attention of q over all 2c keys (mask on chunk 1)
+    ref_in = [x.clone().requires_grad_() for x in (q, k, v)]
+    qh, kh, vh = (x.transpose(0, 1) for x in ref_in)
+    kh, vh = (x.repeat_interleave(HQ // HKV, dim=0) for x in (kh, vh))
+    s = qh @ kh.transpose(1, 2) * scale
+    mask = torch.cat([torch.zeros(c, c, dtype=torch.bool), torch.ones(c, c, dtype=torch.bool).triu(1)], 1)
+    s = s.masked_fill(mask, float("-inf"))
+    ref_out = (s.softmax(-1) @ vh).transpose(0, 1)
+    ref = (ref_out, torch.logsumexp(s, -1), *torch.autograd.grad(ref_out, ref_in, dout))
+    for name, got in results.items():
+        for what, a, b in zip(("out", "lse", "dq", "dk", "dv"), got, ref):
+            assert (a - b).abs().max().item() < 1e-10, (name, what)

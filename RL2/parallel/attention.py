@@ -32,16 +32,20 @@ class PackedContext:
     cu_seqlens: int32 (n_seqs + 1,) local boundaries; with sp they are the zig-zag shard
     boundaries, identical on every rank of the group. max_seqlen: longest local sequence.
     sp_group: process group of the sequence-parallel ranks, or None.
+    ring_host: a `host_comm.HostGroup` of sp_group when ring attention may pass K/V blocks
+    through shared memory (CPU, one host), or None (P2P over the group's backend).
 
     A plain class on purpose: FSDP2's input cast (`torch.distributed.utils._apply_to_tensors`)
     rebuilds every dataclass it finds in the forward kwargs at every FSDP unit, which would drop
     the cached `bounds` and cost one device-to-host sync per layer.
     """
 
-    __slots__ = ("cu_seqlens", "max_seqlen", "sp_group", "_bounds")
+    __slots__ = ("cu_seqlens", "max_seqlen", "sp_group", "ring_host", "_bounds")
 
-    def __init__(self, cu_seqlens: torch.Tensor, max_seqlen: int, sp_group: Any = None):
+    def __init__(self, cu_seqlens: torch.Tensor, max_seqlen: int, sp_group: Any = None,
+                 ring_host: Any = None):
         self.cu_seqlens, self.max_seqlen, self.sp_group = cu_seqlens, max_seqlen, sp_group
+        self.ring_host = ring_host
         self._bounds = None
 
     @property
@@ -137,7 +141,8 @@ def packed_attention_forward(
         if dropout > 0:
             raise NotImplementedError("attention dropout is not supported with ring attention")
         q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # (T, H, D)
-        out = ring_attention(q, k, v, ctx.cu_seqlens, ctx.max_seqlen, ctx.sp_group, scale=scaling)
+        out = ring_attention(q, k, v, ctx.cu_seqlens, ctx.max_seqlen, ctx.sp_group, scale=scaling,
+                             host=ctx.ring_host)
         return out[None], None
     flash = _flash_varlen() if query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) else None
     if flash is not None:

@@ -13,8 +13,8 @@ Backward: recomputes the blocks from the saved log-sum-exp (flash-attention styl
 around the ring again together with dK/dV accumulators, which arrive back at their owner after sp
 hops, so dQ, dK and dV are exact. Every P2P exchange is waited for inside the call, so nothing is in
 flight when it returns; still put a `dist.barrier()` before `destroy_process_group` (gloo can abort
-at exit after P2P otherwise). Per block it materialises a (heads, c, c) score matrix: this path is
-for CPU and tests; GPUs should use ring-flash-attn.
+at exit after P2P otherwise). A block runs ATen's CPU flash-attention kernel on the CPU; elsewhere
+it materialises a (heads, c, c) score matrix (a fallback: GPUs should use ring-flash-attn).
 
 On CUDA with `ring_flash_attn` installed, `ring_attention` calls its
 `zigzag_ring_flash_attn_varlen_func` instead (same zig-zag layout). Its signature and layout
@@ -53,12 +53,15 @@ def ring_attention(
     group: dist.ProcessGroup | None,
     scale: float | None = None,
     use_flash: bool | None = None,
+    host=None,
 ) -> torch.Tensor:
     """Causal attention of zig-zag sharded packed sequences over the ranks of `group`.
 
     q: (T, Hq, D); k, v: (T, Hkv, D) with Hq a multiple of Hkv (GQA); T = this rank's tokens.
     cu_seqlens: local boundaries (n_seqs + 1,), each local sequence 2c long; max_seqlen: local max.
     use_flash: None = ring-flash-attn when on CUDA with fp16/bf16 and installed; False = pure torch.
+    host: a `host_comm.HostGroup` of `group` (CPU, ranks on one host): K/V blocks pass through
+    its shared memory instead of gloo P2P.
     Returns (T, Hq, D) in q's dtype.
     """
     if group is None:
@@ -79,14 +82,14 @@ def ring_attention(
     for s, e in zip(bounds[:-1], bounds[1:]):
         if (e - s) % 2:
             raise ValueError(f"local sequence [{s}, {e}) has odd length: not a zig-zag shard")
-    return _RingAttention.apply(q, k, v, tuple(int(b) for b in bounds), float(scale), group)
+    return _RingAttention.apply(q, k, v, tuple(int(b) for b in bounds), float(scale), group, host)
 
 
 class _Ring:
     """Send to the next rank of the group and receive from the previous one."""
 
-    def __init__(self, group: dist.ProcessGroup):
-        self.group = group
+    def __init__(self, group: dist.ProcessGroup, host=None):
+        self.group, self.host = group, host
         self.rank = dist.get_rank(group)
         self.size = dist.get_world_size(group)
 
@@ -96,6 +99,16 @@ class _Ring:
             return lambda: t
         t = t.contiguous()
         buf = torch.empty_like(t)
+        slots = self.host.slots(t.numel() * t.element_size()) if self.host is not None else None
+        if slots is not None:
+            # through shared memory, done before returning. gloo's TCP transfers need its I/O
+            # thread, which gets no core while both ranks compute (1 thread each): a 1 MB shift
+            # "overlapped" with compute still waited ~2 ms (benchmarks/README.md, fix 17)
+            slots[self.rank].copy_(t.view(-1).view(torch.uint8))
+            self.host.barrier()
+            buf.view(-1).view(torch.uint8).copy_(slots[(self.rank - 1) % self.size])
+            self.host.barrier()  # every rank has read its slot: they may be written again
+            return lambda: buf
         ops = [
             dist.P2POp(dist.isend, t, group=self.group, group_peer=(self.rank + 1) % self.size),
             dist.P2POp(dist.irecv, buf, group=self.group, group_peer=(self.rank - 1) % self.size),
@@ -111,18 +124,20 @@ class _Ring:
         return wait
 
 
-def _block_pairs(rank: int, src: int, sp: int) -> list[tuple[int, int, bool]]:
-    """(query half, key half, causal) pairs to compute when K/V of rank `src` visit `rank`.
-
-    Half 0/1 is the first/second local chunk; its global chunk index decides the block type.
+def _step_block(rank: int, src: int) -> tuple[tuple[int, int], tuple[int, int], bool]:
+    """(query halves, key halves, causal) to compute when K/V of rank `src` visit `rank`: one
+    block per sequence and ring step. Half 0/1 is the first/second local chunk, (lo, hi) a range
+    of halves. Rank r holds chunks r and 2sp-1-r, so:
+    - src == rank: the local 2c tokens are in global order: plain causal attention over them;
+    - src < rank: chunk src precedes both local chunks and chunk 2sp-1-src follows both: every
+      query sees key half 0 whole;
+    - src > rank: only query half 1 (chunk 2sp-1-r, later than both) sees keys, all of them.
     """
-    q_chunks, k_chunks = (rank, 2 * sp - 1 - rank), (src, 2 * sp - 1 - src)
-    pairs = []
-    for qh, qc in enumerate(q_chunks):
-        for kh, kc in enumerate(k_chunks):
-            if kc <= qc:
-                pairs.append((qh, kh, kc == qc))
-    return pairs
+    if src == rank:
+        return (0, 2), (0, 2), True
+    if src < rank:
+        return (0, 2), (0, 1), False
+    return (1, 2), (0, 2), False
 
 
 def _halves(bounds: tuple[int, ...]):
@@ -130,9 +145,9 @@ def _halves(bounds: tuple[int, ...]):
     return [(s, (e - s) // 2) for s, e in zip(bounds[:-1], bounds[1:]) if e > s]
 
 
-def _heads_first(x: torch.Tensor, groups: int, dtype: torch.dtype) -> torch.Tensor:
+def _heads_first(x: torch.Tensor, groups: int) -> torch.Tensor:
     """(L, H, D) -> (H * groups, L, D), repeating each K/V head for its query-head group."""
-    x = x.to(dtype).transpose(0, 1)
+    x = x.transpose(0, 1)
     return x.repeat_interleave(groups, dim=0) if groups > 1 else x
 
 
@@ -144,78 +159,128 @@ def _scores(qh, kh, scale, causal):
     return s
 
 
+# On the CPU a block goes through ATen's flash-attention kernel, which returns the block's
+# log-sum-exp, takes grouped K/V heads as they are and, given the FINAL output and log-sum-exp,
+# computes a block's exact share of dQ/dK/dV (ring-flash-attn does the same on GPUs). Against
+# the matmul version below: no (H, c, c) score matrix and ~4x fewer ops per block. Other devices
+# (a CUDA run without ring-flash-attn) keep the matmul version.
+_FLASH_CPU = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_FLASH_CPU_BWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
+def _block_forward(q, k, v, scale, causal):
+    """q (c, H, D), k/v (c, Hkv, D) -> out (c, H, D), lse (H, c) of softmax(q k^T * scale)."""
+    return (_flash_block_forward if q.device.type == "cpu" else _matmul_block_forward)(
+        q, k, v, scale, causal)
+
+
+def _block_backward(dout, q, k, v, out, lse, scale, causal):
+    """This block's share of (dq, dk, dv), given the final out (c, H, D) and lse (H, c)."""
+    return (_flash_block_backward if q.device.type == "cpu" else _matmul_block_backward)(
+        dout, q, k, v, out, lse, scale, causal)
+
+
+def _flash_block_forward(q, k, v, scale, causal):
+    out, lse = _FLASH_CPU(*(x.transpose(0, 1)[None] for x in (q, k, v)), 0.0, causal, scale=scale)
+    return out[0].transpose(0, 1), lse[0]
+
+
+def _flash_block_backward(dout, q, k, v, out, lse, scale, causal):
+    heads = [x.transpose(0, 1)[None] for x in (dout, q, k, v, out)]
+    grads = _FLASH_CPU_BWD(*heads, lse.contiguous()[None], 0.0, causal, scale=scale)
+    return [g[0].transpose(0, 1) for g in grads]
+
+
+def _matmul_block_forward(q, k, v, scale, causal):
+    groups = q.shape[1] // k.shape[1]
+    s = _scores(_heads_first(q, 1), _heads_first(k, groups), scale, causal)
+    lse = torch.logsumexp(s, dim=-1)  # (H, c)
+    out = torch.matmul(torch.exp(s - lse[..., None]), _heads_first(v, groups))
+    return out.transpose(0, 1), lse
+
+
+def _matmul_block_backward(dout, q, k, v, out, lse, scale, causal):
+    hkv, c = k.shape[1], k.shape[0]
+    groups = q.shape[1] // hkv
+    qh, kh, vh = _heads_first(q, 1), _heads_first(k, groups), _heads_first(v, groups)
+    doh = dout.transpose(0, 1)
+    delta = (dout * out).sum(-1).T  # (H, c): rowsum(dO * O) of the softmax backward
+    # probabilities of this block under the final (global) normaliser
+    p = torch.exp(_scores(qh, kh, scale, causal) - lse[..., None])
+    ds = p * (torch.matmul(doh, vh.transpose(1, 2)) - delta[..., None])
+    dq = torch.matmul(ds, kh) * scale
+    dk = torch.matmul(ds.transpose(1, 2), qh) * scale  # (H, c, D)
+    dv = torch.matmul(p.transpose(1, 2), doh)
+    # sum the query heads of each GQA group back onto their K/V head
+    dk, dv = (x.view(hkv, groups, c, -1).sum(1) for x in (dk, dv))
+    return dq.transpose(0, 1), dk.transpose(0, 1), dv.transpose(0, 1)
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, bounds, scale, group):
-        ring = _Ring(group)
+    def forward(ctx, q, k, v, bounds, scale, group, host):
+        ring = _Ring(group, host)
         sp, rank = ring.size, ring.rank
-        groups = q.shape[1] // k.shape[1]
         cdt = torch.promote_types(q.dtype, torch.float32)  # softmax statistics in >= fp32
+        q32 = q.to(cdt)
         T, H, _ = q.shape
         out = torch.zeros(q.shape, dtype=cdt, device=q.device)
         lse = torch.full((H, T), float("-inf"), dtype=cdt, device=q.device)
         halves = _halves(bounds)
-        kv = torch.stack([k, v])
+        kv = torch.stack([k, v]).to(cdt)
         for step in range(sp):
             pending = ring.shift(kv) if step < sp - 1 else None  # overlap comm with compute
-            for qh_idx, kh_idx, causal in _block_pairs(rank, (rank - step) % sp, sp):
-                for start, c in halves:
-                    qs = slice(start + qh_idx * c, start + (qh_idx + 1) * c)
-                    ks = slice(start + kh_idx * c, start + (kh_idx + 1) * c)
-                    qh = _heads_first(q[qs], 1, cdt)
-                    s = _scores(qh, _heads_first(kv[0, ks], groups, cdt), scale, causal)
-                    blk_lse = torch.logsumexp(s, dim=-1)  # (H, c)
-                    blk_out = torch.matmul(torch.exp(s - blk_lse[..., None]),
-                                           _heads_first(kv[1, ks], groups, cdt))
-                    # log-sum-exp merge of the running result with this block
-                    new_lse = torch.logaddexp(lse[:, qs], blk_lse)
-                    w_old = torch.exp(lse[:, qs] - new_lse).T[..., None]
-                    w_blk = torch.exp(blk_lse - new_lse).T[..., None]
-                    out[qs] = out[qs] * w_old + blk_out.transpose(0, 1) * w_blk
-                    lse[:, qs] = new_lse
+            (q_lo, q_hi), (k_lo, k_hi), causal = _step_block(rank, (rank - step) % sp)
+            for start, c in halves:
+                qs = slice(start + q_lo * c, start + q_hi * c)
+                ks = slice(start + k_lo * c, start + k_hi * c)
+                blk_out, blk_lse = _block_forward(q32[qs], kv[0, ks], kv[1, ks], scale, causal)
+                if step == 0:  # the first block covers every query (the causal one)
+                    out[qs], lse[:, qs] = blk_out, blk_lse
+                    continue
+                # log-sum-exp merge of the running result with this block
+                new_lse = torch.logaddexp(lse[:, qs], blk_lse)
+                w_old = torch.exp(lse[:, qs] - new_lse).T[..., None]
+                w_blk = torch.exp(blk_lse - new_lse).T[..., None]
+                out[qs] = out[qs] * w_old + blk_out * w_blk
+                lse[:, qs] = new_lse
             if pending is not None:
                 kv = pending()
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.bounds, ctx.scale, ctx.group = bounds, scale, group
+        ctx.bounds, ctx.scale, ctx.group, ctx.host = bounds, scale, group, host
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         scale = ctx.scale
-        ring = _Ring(ctx.group)
+        ring = _Ring(ctx.group, ctx.host)
         sp, rank = ring.size, ring.rank
-        hkv = k.shape[1]
-        groups = q.shape[1] // hkv
         cdt = out.dtype
-        dout = dout.to(cdt)
-        delta = (dout * out).sum(-1).T  # (H, T): rowsum(dO * O) of the softmax backward
+        dout, q32 = dout.to(cdt), q.to(cdt)
         dq = torch.zeros(q.shape, dtype=cdt, device=q.device)
-        dkv = torch.zeros((2, *k.shape), dtype=cdt, device=k.device)  # travels with its K/V block
         halves = _halves(ctx.bounds)
-        kv = torch.stack([k, v])
+        kv = torch.stack([k, v]).to(cdt)
+        incoming = None  # pending receipt of the dK/dV summed so far for the block held next
         for step in range(sp):
             pending = ring.shift(kv) if step < sp - 1 else None
-            for qh_idx, kh_idx, causal in _block_pairs(rank, (rank - step) % sp, sp):
-                for start, c in halves:
-                    qs = slice(start + qh_idx * c, start + (qh_idx + 1) * c)
-                    ks = slice(start + kh_idx * c, start + (kh_idx + 1) * c)
-                    qh = _heads_first(q[qs], 1, cdt)
-                    kh = _heads_first(kv[0, ks], groups, cdt)
-                    vh = _heads_first(kv[1, ks], groups, cdt)
-                    doh = dout[qs].transpose(0, 1)
-                    # probabilities of this block under the final (global) normaliser
-                    p = torch.exp(_scores(qh, kh, scale, causal) - lse[:, qs, None])
-                    ds = p * (torch.matmul(doh, vh.transpose(1, 2)) - delta[:, qs, None])
-                    dq[qs] += (torch.matmul(ds, kh) * scale).transpose(0, 1)
-                    dk = torch.matmul(ds.transpose(1, 2), qh) * scale  # (H, c, D)
-                    dv = torch.matmul(p.transpose(1, 2), doh)
-                    # sum the query heads of each GQA group back onto their K/V head
-                    dkv[0, ks] += dk.view(hkv, groups, c, -1).sum(1).transpose(0, 1)
-                    dkv[1, ks] += dv.view(hkv, groups, c, -1).sum(1).transpose(0, 1)
+            (q_lo, q_hi), (k_lo, k_hi), causal = _step_block(rank, (rank - step) % sp)
+            dkv = torch.zeros((2, *k.shape), dtype=cdt, device=k.device)  # this rank's share
+            for start, c in halves:
+                qs = slice(start + q_lo * c, start + q_hi * c)
+                ks = slice(start + k_lo * c, start + k_hi * c)
+                dq_b, dk_b, dv_b = _block_backward(dout[qs], q32[qs], kv[0, ks], kv[1, ks],
+                                                   out[qs], lse[:, qs], scale, causal)
+                dq[qs] += dq_b
+                dkv[0, ks] += dk_b
+                dkv[1, ks] += dv_b
             if pending is not None:
                 kv = pending()
-            # hand the accumulator to the rank that holds this K/V block next; after sp hops it
-            # is back at the block's owner with every rank's contribution
-            dkv = ring.shift(dkv)()
-        return (dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None)
+            # the block's dK/dV travels with it: add what the ranks that held it before sent
+            # (received while this step computed) and pass the sum on; after the last step it
+            # goes back to the block's owner, and this rank receives its own block's total
+            if incoming is not None:
+                dkv += incoming()
+            incoming = ring.shift(dkv)
+        dkv = incoming()
+        return (dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None)

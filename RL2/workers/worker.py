@@ -79,6 +79,9 @@ class Worker:
             n = onednn.use_for_linears(self.model)  # TP's DTensor weights keep F.linear
             logger.info("cpu_matmul=onednn: %d linear layers computed by oneDNN", n)
         self.config = self.model.config
+        # ring attention's K/V blocks through shared memory, as FSDP's collectives (cpu_comm)
+        self.ring_host = (host_comm.HostGroup(self.dims.sp_group) if device == "cpu"
+                          and cpu_comm == "shm" and self.dims.sp > 1 else None)
         self.capacity = token_capacity(cfg)
         self.optimizer = self.scheduler = None
         if train:
@@ -113,7 +116,7 @@ class Worker:
     def forward(self, mb: MicroBatch, temperature: float = 1.0, need_entropy: bool = False) -> dict:
         """Per-token outputs of one micro-batch (local to this sp rank): `logps` (+`entropy`) of
         `labels` for a causal LM, `values` for a value model."""
-        ctx = PackedContext(mb.cu_seqlens, mb.max_seqlen, self.dims.sp_group)
+        ctx = PackedContext(mb.cu_seqlens, mb.max_seqlen, self.dims.sp_group, self.ring_host)
         out = self.model(input_ids=mb.data["input_ids"][None], position_ids=mb.data["position_ids"][None],
                          use_cache=False, **packed_kwargs(ctx))
         logits = out.logits

@@ -50,6 +50,40 @@ def test_compiled_decode_matches_hf_with_one_graph():
     assert out.token_ids == hf_greedy(model, prompts[0], 9) and compiled.calls == calls
 
 
+def test_window_starting_at_column_zero_needs_no_second_graph():
+    """The live KV window is a view into the engine's buffers; torch.compile specialises on a
+    storage offset of 0 or 1, so a window starting at column 0 after the step was compiled on one
+    starting later compiled a second graph mid-run (found as a slow multi-turn SmolLM2 run).
+    BatchKV's buffers start a few elements into their storage: one graph for both."""
+    from RL2.rollout.compiled_decode import CompiledDecode
+    from RL2.rollout.kv_cache import BatchKV
+    from RL2.utils.onednn import PackedLinears
+
+    model = tiny_model(max_pos=256)
+    cfg = model.config
+    heads, dim = cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads
+    g = torch.Generator().manual_seed(0)
+
+    def rows(r, w):
+        kv = [[torch.randn(r, heads, w, dim, generator=g) for _ in range(cfg.num_hidden_layers)]
+              for _ in range(2)]
+        return kv[0], kv[1], torch.full((r,), w, dtype=torch.long)
+
+    step, kv = CompiledDecode(model, PackedLinears()), BatchKV()
+    before = _graphs()
+    kv.add(*rows(4, 6), room=32)
+    kv.compact([0, 1])  # two rows free: the next rows join without a reallocation
+    tokens = lambda: torch.randint(0, cfg.vocab_size, (kv.rows,), generator=g)
+    assert kv.start > 0
+    assert step(kv, tokens()) is not None
+    kv.advance()
+    kv.add(*rows(2, kv.end))  # as wide as every column up to `end`: the window starts at 0
+    assert kv.start == 0
+    assert step(kv, tokens()) is not None
+    assert step.calls == 2 and _graphs() - before == 1
+    assert kv.k[0][kv.live()].storage_offset() >= 2
+
+
 @pytest.mark.slow
 def test_compiled_decode_sees_updated_and_shared_weights():
     """update_weights copies in place, share_weights replaces each parameter's storage: both

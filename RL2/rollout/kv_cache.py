@@ -4,7 +4,18 @@ written in place, with rows evicted by moving a live row into their place (no pe
 The engine owns these buffers outright (plain tensors, no transformers cache class), so a
 transformers upgrade cannot change how they are laid out or updated.
 """
+import math
+
 import torch
+
+# Buffers start this many elements into their storage, so the live window's storage offset is
+# never 0 or 1: torch.compile specialises on those two values, and a window starting at column 0
+# would compile the decode step a second time, mid-run (RL2/rollout/compiled_decode.py).
+_LEAD = 16
+
+
+def _buffer(like: torch.Tensor, *shape: int) -> torch.Tensor:
+    return like.new_zeros(_LEAD + math.prod(shape))[_LEAD:].view(shape)
 
 
 class BatchKV:
@@ -26,7 +37,7 @@ class BatchKV:
         for bufs in (self.k, self.v):
             for li, old in enumerate(bufs):
                 # zeros, not empty: masked slots must hold finite values (0 * NaN = NaN)
-                new = old.new_zeros(row_cap, old.shape[1], len_cap, old.shape[3])
+                new = _buffer(old, row_cap, old.shape[1], len_cap, old.shape[3])
                 new[:self.rows, :, left:left + width] = old[:self.rows, :, self.start:self.end]
                 bufs[li] = new
         self.start, self.end = left, left + width

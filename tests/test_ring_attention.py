@@ -194,6 +194,16 @@ def test_model_with_sp2_equals_single_process():
 
 # --- one block: ATen's CPU flash kernel (the CPU path) == the matmul version (other devices) ----
 
+def test_flash_kernel_only_where_it_supports_the_heads(monkeypatch):
+    """torch < 2.9's CPU flash kernel has no GQA: grouped heads then take the matmul block."""
+    from RL2.parallel import ring_attention as ra
+
+    q, k = torch.zeros(3, HQ, DIM), torch.zeros(3, HKV, DIM)
+    assert ra._flash(q, k) and ra._flash(q, q)
+    monkeypatch.setattr(ra, "_FLASH_GQA", False)
+    assert not ra._flash(q, k) and ra._flash(q, q)
+
+
 def test_block_kernels_agree():
     """Both block implementations against each other, with the global out/lse of a two-block
     softmax as the ring's backward passes them: causal diagonal and full blocks, GQA, float64."""

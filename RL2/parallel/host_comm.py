@@ -52,8 +52,8 @@ class HostGroup:
     """The shared slots of one process group, grown as the inputs grow (every rank sees the same
     sizes in the same order, so every rank grows at the same call)."""
 
-    def __init__(self, group, max_bytes: int = MAX_BYTES):
-        self.group, self.max_bytes = group, max_bytes
+    def __init__(self, group, max_bytes: int = MAX_BYTES, what: str = "fsdp comm"):
+        self.group, self.max_bytes, self.what = group, max_bytes, what
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         self.usable = len(set(gather_objects(host_id(), group))) == 1
         self.file: SharedFile | None = None
@@ -68,9 +68,9 @@ class HostGroup:
             old, self.file = self.file, None
             try:  # a failure on any rank is reported to every rank: all fall back together
                 size = max(need, min(2 * old.size if old else 0, self.max_bytes))
-                self.file = SharedFile(size, 1, self.group, "fsdp comm")
+                self.file = SharedFile(size, 1, self.group, self.what)
             except RuntimeError as e:
-                logger.warning("FSDP collectives stay on %s: %s", dist.get_backend(self.group), e)
+                logger.warning("%s stays on %s: %s", self.what, dist.get_backend(self.group), e)
                 self.usable = False
                 return None
         self.calls += 1

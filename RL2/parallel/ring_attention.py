@@ -168,15 +168,24 @@ _FLASH_CPU = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _FLASH_CPU_BWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
 
+# Before torch 2.9 the CPU kernel indexed K/V with the query head (no GQA; pytorch #157893):
+# with fewer K/V heads it read the wrong heads and wrote past dK/dV.
+_FLASH_GQA = torch.torch_version.TorchVersion(torch.__version__) >= (2, 9)
+
+
+def _flash(q, k) -> bool:
+    return q.device.type == "cpu" and (_FLASH_GQA or q.shape[1] == k.shape[1])
+
+
 def _block_forward(q, k, v, scale, causal):
     """q (c, H, D), k/v (c, Hkv, D) -> out (c, H, D), lse (H, c) of softmax(q k^T * scale)."""
-    return (_flash_block_forward if q.device.type == "cpu" else _matmul_block_forward)(
+    return (_flash_block_forward if _flash(q, k) else _matmul_block_forward)(
         q, k, v, scale, causal)
 
 
 def _block_backward(dout, q, k, v, out, lse, scale, causal):
     """This block's share of (dq, dk, dv), given the final out (c, H, D) and lse (H, c)."""
-    return (_flash_block_backward if q.device.type == "cpu" else _matmul_block_backward)(
+    return (_flash_block_backward if _flash(q, k) else _matmul_block_backward)(
         dout, q, k, v, out, lse, scale, causal)
 
 

@@ -80,8 +80,9 @@ class Worker:
             logger.info("cpu_matmul=onednn: %d linear layers computed by oneDNN", n)
         self.config = self.model.config
         # ring attention's K/V blocks through shared memory, as FSDP's collectives (cpu_comm)
-        self.ring_host = (host_comm.HostGroup(self.dims.sp_group) if device == "cpu"
-                          and cpu_comm == "shm" and self.dims.sp > 1 else None)
+        self.ring_host = None
+        if device == "cpu" and cpu_comm == "shm" and self.dims.sp > 1:
+            self.ring_host = host_comm.HostGroup(self.dims.sp_group, what="ring attention")
         self.capacity = token_capacity(cfg)
         self.optimizer = self.scheduler = None
         if train:

@@ -140,3 +140,35 @@ def test_bad_cpu_comm_is_refused_by_name(assets, tmp_path):
 
     proc = run_trainer("sft", 1, sft_args(assets, "actor.cpu_comm=tcp"), tmp_path, check=False)
     assert proc.returncode != 0 and "cpu_comm='tcp'" in proc.stderr + proc.stdout
+
+
+def _small_shm(rank, world, shm_dir):
+    from RL2.parallel.host_comm import HostAllGather
+    from RL2.rollout import shm
+
+    shm.SHM_DIR = shm_dir  # a 1 MiB tmpfs: smaller than the 2 x 1 MiB of slots asked for
+    gather = HostAllGather()
+    x = torch.full((1 << 18,), float(rank))  # 1 MiB per rank
+    out = torch.empty(x.numel() * world)
+    gather(out, x, dist.group.WORLD)
+    host = gather.groups[dist.group.WORLD.group_name]
+    return torch.equal(out, torch.arange(world).float().repeat_interleave(x.numel())), host.calls
+
+
+def test_a_full_dev_shm_falls_back_to_gloo_instead_of_killing_the_run(tmp_path):
+    """A shared file bigger than the space left on its tmpfs (Docker's /dev/shm is 64 MB by
+    default) used to be created sparse, and the first copy into it killed the process with
+    SIGBUS. Its pages are reserved at creation now: creation fails and gloo takes over."""
+    import subprocess
+
+    mount = tmp_path / "shm"
+    mount.mkdir()
+    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1M", "tmpfs", str(mount)],
+                          capture_output=True)
+    if made.returncode:
+        pytest.skip(f"cannot mount a small tmpfs here: {made.stderr.decode().strip()}")
+    try:
+        for equal, served in run_dist(_small_shm, 2, str(mount)):
+            assert equal and served == 0
+    finally:
+        subprocess.run(["umount", str(mount)])

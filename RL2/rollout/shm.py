@@ -85,7 +85,10 @@ class SharedFile:
             box[0] = os.path.join(SHM_DIR, name)
             try:
                 with open(box[0], "wb") as f:
-                    f.truncate(halves * size)
+                    # pages reserved now: a file only truncated to size on a /dev/shm too small
+                    # for it (Docker's default is 64 MB) kills the process with SIGBUS at the
+                    # first write past the space left; reserved, it fails here and callers fall back
+                    os.posix_fallocate(f.fileno(), 0, halves * size)
                 for fifo in PipeBarrier.paths(box[0], world):
                     os.mkfifo(fifo, 0o600)
             except OSError as e:

@@ -89,17 +89,27 @@ def check_ring(group, sp, rank, host=None):
 
 
 def _ring_worker(rank, world_size, sub_size):
-    from RL2.parallel.host_comm import HostGroup
+    from RL2.parallel.host_comm import shared_group
 
     results = {"world": check_ring(dist.group.WORLD, world_size, rank)}
     # K/V blocks through shared memory (the CPU default, actor.cpu_comm=shm) instead of P2P
-    host = HostGroup(dist.group.WORLD)
+    host = shared_group(dist.group.WORLD, "ring attention")
     results["world_shm"] = check_ring(dist.group.WORLD, world_size, rank, host)
     assert host.calls > 0  # served through shared memory, not a silent fallback to P2P
+    # the actor, reference and critic each build their own sp group over the same ranks: one
+    # shared file serves them all; another use of the same ranks gets its own
+    assert shared_group(dist.new_group(list(range(world_size))), "ring attention") is host
+    assert shared_group(dist.group.WORLD, "fsdp comm") is not host
     # sp groups of sub_size inside the world (dp x sp); every rank creates every group.
     # sub_size 1: the ring degenerates to local causal attention without communication.
     groups = [dist.new_group(list(range(s, s + sub_size))) for s in range(0, world_size, sub_size)]
-    results["subgroup"] = check_ring(groups[rank // sub_size], sub_size, rank % sub_size)
+    sub = groups[rank // sub_size]
+    results["subgroup"] = check_ring(sub, sub_size, rank % sub_size)
+    if sub_size > 1:
+        sub_host = shared_group(sub, "ring attention")
+        assert sub_host is not host
+        results["subgroup_shm"] = check_ring(sub, sub_size, rank % sub_size, sub_host)
+        assert sub_host.calls > 0
     return results
 
 

@@ -79,6 +79,35 @@ class HostGroup:
     def barrier(self) -> None:
         self.file.collective()
 
+    def publish(self, t: torch.Tensor) -> torch.Tensor | None:
+        """Write `t`'s bytes into this rank's slot and wait until every rank has written its own.
+        Returns all slots ([world, nbytes] uint8) to read from, after which every rank calls
+        `release()`; or None (nothing written): use the group's own collective instead."""
+        src = _bytes(t)
+        slots = self.slots(src.numel())
+        if slots is not None:
+            slots[self.rank].copy_(src)
+            self.barrier()
+        return slots
+
+    def release(self) -> None:
+        self.barrier()  # every rank has read what it needs: the slots may be written again
+
+
+_SHARED: dict = {}
+
+
+def shared_group(group, what: str) -> HostGroup:
+    """One HostGroup per set of ranks and use, for the process: the actor, reference and critic
+    each build their own (equal) sp groups, and one shared file serves them all, since they never
+    run at the same time. A new default group (re-initialised process group) starts afresh."""
+    world = dist.group.WORLD
+    key = (tuple(dist.get_process_group_ranks(group)), what)
+    hit = _SHARED.get(key)
+    if hit is None or hit[0] is not world:  # keeping `world` also keeps its id from being reused
+        hit = _SHARED[key] = (world, HostGroup(group, what=what))
+    return hit[1]
+
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)
@@ -105,15 +134,12 @@ class HostAllGather(_HostComm):
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group,
                  async_op: bool = False):
         host = self.host_group(group)
-        src = _bytes(input_tensor)
-        slots = host.slots(src.numel()) if output_tensor.is_contiguous() else None
+        slots = host.publish(input_tensor) if output_tensor.is_contiguous() else None
         if slots is None:
             return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group,
                                                async_op=async_op)
-        slots[host.rank].copy_(src)
-        host.barrier()
         _bytes(output_tensor).copy_(slots.reshape(-1))
-        host.barrier()  # every rank has read every slot: they may be written again
+        host.release()
         return None  # done already (FSDP waits only on a returned Work)
 
 
@@ -121,20 +147,17 @@ class HostReduceScatter(_HostComm):
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group,
                  op=dist.ReduceOp.SUM, async_op: bool = False):
         host = self.host_group(group)
-        src = _bytes(input_tensor)
         usable = op == dist.ReduceOp.SUM and output_tensor.is_contiguous()
-        slots = host.slots(src.numel()) if usable else None
+        slots = host.publish(input_tensor) if usable else None
         if slots is None:
             return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group,
                                               async_op=async_op)
-        slots[host.rank].copy_(src)
-        host.barrier()
         chunks = slots.view(input_tensor.dtype).view(host.world, host.world, -1)[:, host.rank]
         out = output_tensor.view(-1)
         out.copy_(chunks[0])
         for r in range(1, host.world):  # rank order: the same sum whatever the rank
             out.add_(chunks[r])
-        host.barrier()
+        host.release()
         return None
 
 

@@ -99,15 +99,13 @@ class _Ring:
             return lambda: t
         t = t.contiguous()
         buf = torch.empty_like(t)
-        slots = self.host.slots(t.numel() * t.element_size()) if self.host is not None else None
+        slots = self.host.publish(t) if self.host is not None else None
         if slots is not None:
             # through shared memory, done before returning. gloo's TCP transfers need its I/O
             # thread, which gets no core while both ranks compute (1 thread each): a 1 MB shift
             # "overlapped" with compute still waited ~2 ms (benchmarks/README.md, fix 17)
-            slots[self.rank].copy_(t.view(-1).view(torch.uint8))
-            self.host.barrier()
             buf.view(-1).view(torch.uint8).copy_(slots[(self.rank - 1) % self.size])
-            self.host.barrier()  # every rank has read its slot: they may be written again
+            self.host.release()
             return lambda: buf
         ops = [
             dist.P2POp(dist.isend, t, group=self.group, group_peer=(self.rank + 1) % self.size),

@@ -82,7 +82,7 @@ class Worker:
         # ring attention's K/V blocks through shared memory, as FSDP's collectives (cpu_comm)
         self.ring_host = None
         if device == "cpu" and cpu_comm == "shm" and self.dims.sp > 1:
-            self.ring_host = host_comm.HostGroup(self.dims.sp_group, what="ring attention")
+            self.ring_host = host_comm.shared_group(self.dims.sp_group, "ring attention")
         self.capacity = token_capacity(cfg)
         self.optimizer = self.scheduler = None
         if train:

@@ -12,9 +12,8 @@ from urllib.request import urlopen
 import pytest
 
 from tests.run_utils import FIRST_WORD_ENV, min_version, read_metrics, run_trainer
-from tests.server_utils import kill
 from tests.vllm.conftest import tiny_vllm_model
-from tests.vllm.vllm_utils import connect, start_vllm_server
+from tests.vllm.vllm_utils import connect, start_vllm_server, stop_vllm_server
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 STEPS = 8
@@ -37,7 +36,7 @@ def served(assets, tmp_path_factory):
         connect(proc, url, assets["tokenizer"], root / "server.log").shutdown()  # minutes on CPU
         yield {"model": model, "root": root, "url": url}
     finally:
-        kill(proc)
+        stop_vllm_server(proc)
 
 
 def run(served, out, *extra, env="env.py", rise=True) -> list[dict]:

@@ -10,9 +10,8 @@ from urllib.request import urlopen
 import pytest
 
 from tests.run_utils import LENGTH_ENV, read_metrics, run_trainer
-from tests.server_utils import kill
 from tests.vllm.conftest import tiny_vllm_model
-from tests.vllm.vllm_utils import connect, start_vllm_server
+from tests.vllm.vllm_utils import connect, start_vllm_server, stop_vllm_server
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 STEPS, RANK, HIDDEN = 3, 8, 64
@@ -81,4 +80,4 @@ def test_vllm_serve_loads_each_adapter_over_http(setup, assets, tmp_path):
         assert len(served) == 1, served
         assert list((tmp_path / "adapters").iterdir()) == []
     finally:
-        kill(proc)
+        stop_vllm_server(proc)

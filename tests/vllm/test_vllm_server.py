@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM
 
 from RL2.rollout.engine import SamplingParams
 from tests.server_utils import kill
-from tests.vllm.vllm_utils import connect, hf_logps, prompt_ids, start_vllm_server
+from tests.vllm.vllm_utils import connect, hf_logps, prompt_ids, start_vllm_server, stop_vllm_server
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]  # a second vLLM start-up: 2-4 minutes
 
@@ -22,7 +22,7 @@ def server(vllm_model, assets, tmp_path_factory):
     engine = connect(proc, url, assets["tokenizer"], log)
     yield proc, engine
     engine.shutdown()
-    kill(proc)
+    stop_vllm_server(proc)
 
 
 def run(engine, *coros):

@@ -1,16 +1,18 @@
 """Helpers the vLLM tests share: the prompts and HF log-prob reference the engine is checked
-against, and a `vllm serve` process (stop it with tests.server_utils.kill). No vllm import here:
+against, and a `vllm serve` process (stop it with `stop_vllm_server`). No vllm import here:
 the server runs in its own process."""
 import json
 import os
+import shutil
+import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 import torch
 
 from tests.dist_utils import free_port
-from tests.server_utils import kill
 
 PROMPTS = ["12 + 30 =", "hello world", "the answer is", "7 * 6 = 42 and 5 + 5 ="]
 
@@ -39,11 +41,36 @@ def start_vllm_server(model: str, log_path, *extra: str, env: dict | None = None
            "--kv-cache-memory-bytes", str(64 << 20),
            "--no-enable-chunked-prefill", "--max-num-batched-tokens", "8192",
            "--weight-transfer-config", json.dumps({"backend": "rl2_gloo"}), *extra]
-    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", **(env or {}))
+    # its ZMQ sockets (VLLM_RPC_BASE_PATH) and init files (TMPDIR) in a directory of its own, removed
+    # when it stops (a killed server leaves them in /tmp); compiled kernels stay in the usual cache
+    tmp = tempfile.mkdtemp(prefix="rl2-vllm-")  # short: a socket path has <= 107 bytes
+    inductor = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or os.path.join(
+        tempfile.gettempdir(), "torchinductor_" + os.environ.get("USER", "root"))
+    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", TMPDIR=tmp, VLLM_RPC_BASE_PATH=tmp,
+               TORCHINDUCTOR_CACHE_DIR=inductor, **(env or {}))
     log = open(log_path, "w")
     # own process group: the test can kill the server with all its children
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    proc.rl2_tmpdir = tmp
     return proc, f"http://127.0.0.1:{port}"
+
+
+def stop_vllm_server(proc, grace_s: float = 60.0) -> None:
+    """SIGTERM first: vLLM then unlinks its shared-memory queues (/dev/shm/psm_*) and sockets,
+    which a SIGKILL leaves behind (three files of 32 B / 160 MB / 240 MB, sparse, per server);
+    SIGKILL for whatever is left of the process group after `grace_s` seconds."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            pass
+    try:  # the engine-core child may outlive the API server
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait(timeout=30)
+    shutil.rmtree(proc.rl2_tmpdir, ignore_errors=True)
 
 
 def connect(proc, url: str, tokenizer, log_path, timeout: float = 900.0, **engine_kw):
@@ -54,7 +81,7 @@ def connect(proc, url: str, tokenizer, log_path, timeout: float = 900.0, **engin
     deadline = time.monotonic() + timeout
     while True:
         if proc.poll() is not None or time.monotonic() > deadline:
-            kill(proc)
+            stop_vllm_server(proc, grace_s=10)
             raise AssertionError(f"vllm serve did not come up:\n{open(log_path).read()[-4000:]}")
         try:
             return make_engine("vllm", None, tokenizer, server_url=url, max_model_len=128,

@@ -55,7 +55,9 @@ def run_trainer(trainer: str, nproc: int, overrides: list[str], run_dir, timeout
         entry = ["tests.crash_entry", trainer]
         env["RL2_TEST_SIGKILL_IN_UPDATE"] = str(sigkill_in_update)
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-           "--master_addr=127.0.0.1", f"--master_port={free_port()}", "-m", *entry,
+           "--master_addr=127.0.0.1", f"--master_port={free_port()}",
+           # torchrun's own log directory in the run's (else a torchelastic_* left in /tmp per run)
+           f"--log-dir={os.path.join(run_dir, 'torchrun')}", "-m", *entry,
            f"trainer.save_dir={run_dir}", "trainer.experiment_name=run", "trainer.device=cpu",
            *overrides]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)

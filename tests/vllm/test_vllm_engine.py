@@ -3,6 +3,11 @@ takes 1-2 minutes): greedy == HF generate == the torch engine; sampled-token log
 model's log_softmax(logits / T) after a weight sync through vLLM's weight-transfer API (our
 rl2_gloo backend); seeds, n, stops, finish reasons, the context limit, release/resume."""
 import asyncio
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
 
 import pytest
 import torch
@@ -128,3 +133,36 @@ def test_release_refuses_generation_until_resume(engine, assets):
     engine.resume_memory()
     (out,) = run(engine, engine.generate(prompt, SamplingParams(max_new_tokens=2)))
     assert 1 <= len(out[0].token_ids) <= 2
+
+
+LEAVES = '''
+import os, sys
+from RL2.rollout.engine import make_engine, SamplingParams
+
+if __name__ == "__main__":
+    eng = make_engine("vllm", sys.argv[1], None, max_model_len=128, kv_cache_mb=64)
+    eng.loop.run_until_complete(eng.generate([1, 2, 3], SamplingParams(temperature=0, max_new_tokens=2)))
+    rpc = os.environ["VLLM_RPC_BASE_PATH"]
+    print("RPC", rpc, len(os.listdir(rpc)))
+    eng.shutdown()
+'''
+
+
+@pytest.mark.slow  # its own vLLM start-up
+def test_a_run_leaves_no_socket_files(vllm_model, tmp_path):
+    """vLLM leaves its ZMQ socket files where VLLM_RPC_BASE_PATH points (default: the temp dir)
+    after a clean shutdown; the engine gives them a directory of its own, removed at exit."""
+    tmp = tempfile.mkdtemp(prefix="rl2t-")  # the child's temp dir; short: socket paths <= 107 bytes
+    script = tmp_path / "leaves.py"
+    script.write_text(LEAVES)
+    try:
+        env = {k: v for k, v in os.environ.items() if k != "VLLM_RPC_BASE_PATH"}
+        proc = subprocess.run([sys.executable, str(script), vllm_model], capture_output=True,
+                              text=True, timeout=600, env=dict(env, TMPDIR=tmp))
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        _, rpc, n = next(line for line in proc.stdout.splitlines() if line.startswith("RPC")).split()
+        assert rpc.startswith(tmp) and int(n) > 0  # the sockets were in the engine's directory
+        # ... which is gone, and no socket is left (torch's kernel cache dir may be)
+        assert [e for e in os.listdir(tmp) if not e.startswith("torchinductor_")] == []
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

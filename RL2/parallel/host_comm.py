@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -94,19 +95,20 @@ class HostGroup:
         self.barrier()  # every rank has read what it needs: the slots may be written again
 
 
-_SHARED: dict = {}
+_SHARED: "weakref.WeakValueDictionary[tuple, HostGroup]" = weakref.WeakValueDictionary()
 
 
 def shared_group(group, what: str) -> HostGroup:
-    """One HostGroup per set of ranks and use, for the process: the actor, reference and critic
-    each build their own (equal) sp groups, and one shared file serves them all, since they never
-    run at the same time. A new default group (re-initialised process group) starts afresh."""
-    world = dist.group.WORLD
+    """One HostGroup per set of ranks and use while any user holds it: the actor, reference and
+    critic each build their own (equal) sp groups, and one shared file serves them all, since
+    they never run at the same time. A new default group (process group re-initialised) gets
+    a new one."""
     key = (tuple(dist.get_process_group_ranks(group)), what)
-    hit = _SHARED.get(key)
-    if hit is None or hit[0] is not world:  # keeping `world` also keeps its id from being reused
-        hit = _SHARED[key] = (world, HostGroup(group, what=what))
-    return hit[1]
+    host = _SHARED.get(key)
+    if host is None or host.default_group is not dist.group.WORLD:
+        host = _SHARED[key] = HostGroup(group, what=what)
+        host.default_group = dist.group.WORLD  # held: its id cannot be reused while the entry lives
+    return host
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:

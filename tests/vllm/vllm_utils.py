@@ -46,8 +46,8 @@ def start_vllm_server(model: str, log_path, *extra: str, env: dict | None = None
     tmp = tempfile.mkdtemp(prefix="rl2-vllm-")  # short: a socket path has <= 107 bytes
     inductor = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or os.path.join(
         tempfile.gettempdir(), "torchinductor_" + os.environ.get("USER", "root"))
-    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", TMPDIR=tmp, VLLM_RPC_BASE_PATH=tmp,
-               TORCHINDUCTOR_CACHE_DIR=inductor, **(env or {}))
+    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "TMPDIR": tmp, "VLLM_RPC_BASE_PATH": tmp,
+           "TORCHINDUCTOR_CACHE_DIR": inductor, **(env or {})}
     log = open(log_path, "w")
     # own process group: the test can kill the server with all its children
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -59,18 +59,24 @@ def stop_vllm_server(proc, grace_s: float = 60.0) -> None:
     """SIGTERM first: vLLM then unlinks its shared-memory queues (/dev/shm/psm_*) and sockets,
     which a SIGKILL leaves behind (three files of 32 B / 160 MB / 240 MB, sparse, per server);
     SIGKILL for whatever is left of the process group after `grace_s` seconds."""
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
-            pass
-    try:  # the engine-core child may outlive the API server
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
+    # to the whole group: also when the API server is gone but its engine core is not
+    _signal_group(proc.pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and _signal_group(proc.pid, 0):
+        proc.poll()  # reap the leader: a zombie would count as alive
+        time.sleep(0.2)
+    _signal_group(proc.pid, signal.SIGKILL)
     proc.wait(timeout=30)
     shutil.rmtree(proc.rl2_tmpdir, ignore_errors=True)
+
+
+def _signal_group(pgid: int, sig: int) -> bool:
+    """Send `sig` to the process group; False when none of it is left (sig 0: only check)."""
+    try:
+        os.killpg(pgid, sig)
+        return True
+    except ProcessLookupError:
+        return False
 
 
 def connect(proc, url: str, tokenizer, log_path, timeout: float = 900.0, **engine_kw):

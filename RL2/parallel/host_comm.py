@@ -84,7 +84,7 @@ class HostGroup:
         """Write `t`'s bytes into this rank's slot and wait until every rank has written its own.
         Returns all slots ([world, nbytes] uint8) to read from, after which every rank calls
         `release()`; or None (nothing written): use the group's own collective instead."""
-        src = _bytes(t)
+        src = as_bytes(t)
         slots = self.slots(src.numel())
         if slots is not None:
             slots[self.rank].copy_(src)
@@ -98,34 +98,36 @@ class HostGroup:
 _SHARED: "weakref.WeakValueDictionary[tuple, HostGroup]" = weakref.WeakValueDictionary()
 
 
-def shared_group(group, what: str) -> HostGroup:
+def shared_group(group, what: str, max_bytes: int = MAX_BYTES) -> HostGroup:
     """One HostGroup per set of ranks and use while any user holds it: the actor, reference and
-    critic each build their own (equal) sp groups, and one shared file serves them all, since
-    they never run at the same time. A new default group (process group re-initialised) gets
-    a new one."""
-    key = (tuple(dist.get_process_group_ranks(group)), what)
+    critic each build their own (equal) groups, and one shared file serves them all, since their
+    collectives run one after another on the trainer thread, each finished before it returns. A
+    new default group (process group re-initialised) gets a new one."""
+    key = (tuple(dist.get_process_group_ranks(group)), what, max_bytes)
     host = _SHARED.get(key)
     if host is None or host.default_group is not dist.group.WORLD:
-        host = _SHARED[key] = HostGroup(group, what=what)
+        host = _SHARED[key] = HostGroup(group, max_bytes, what)
         host.default_group = dist.group.WORLD  # held: its id cannot be reused while the entry lives
     return host
 
 
-def _bytes(t: torch.Tensor) -> torch.Tensor:
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)
 
 
 class _HostComm:
-    """One HostGroup per process group handed to `__call__`; allocation as FSDP's default."""
+    """The shared HostGroup of each process group handed to `__call__` (all-gather and
+    reduce-scatter share one file), held here; allocation as FSDP's default."""
 
     def __init__(self, max_bytes: int = MAX_BYTES):
         self.max_bytes = max_bytes
         self.groups: dict[str, HostGroup] = {}
+        self.calls = 0  # served through shared memory (tests: no silent fallback)
 
     def host_group(self, group) -> HostGroup:
         key = group.group_name
         if key not in self.groups:
-            self.groups[key] = HostGroup(group, self.max_bytes)
+            self.groups[key] = shared_group(group, "fsdp comm", self.max_bytes)
         return self.groups[key]
 
     def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -140,8 +142,9 @@ class HostAllGather(_HostComm):
         if slots is None:
             return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group,
                                                async_op=async_op)
-        _bytes(output_tensor).copy_(slots.reshape(-1))
+        as_bytes(output_tensor).copy_(slots.reshape(-1))
         host.release()
+        self.calls += 1
         return None  # done already (FSDP waits only on a returned Work)
 
 
@@ -160,6 +163,7 @@ class HostReduceScatter(_HostComm):
         for r in range(1, host.world):  # rank order: the same sum whatever the rank
             out.add_(chunks[r])
         host.release()
+        self.calls += 1
         return None
 
 
@@ -170,10 +174,9 @@ def install(model: torch.nn.Module, max_bytes: int = MAX_BYTES) -> None:
     for unit in fsdp_units(model):
         unit.set_custom_all_gather(gather)
         unit.set_custom_reduce_scatter(scatter)
-    model._rl2_host_comms = (gather, scatter)  # for tests: calls served per group
+    model._rl2_host_comms = (gather, scatter)  # for `served` (tests)
 
 
 def served(model: torch.nn.Module) -> int:
     """Collectives of `model`'s FSDP units served through shared memory so far (this rank)."""
-    comms = getattr(model, "_rl2_host_comms", ())
-    return sum(g.calls for c in comms for g in c.groups.values())
+    return sum(c.calls for c in getattr(model, "_rl2_host_comms", ()))

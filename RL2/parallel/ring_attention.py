@@ -30,6 +30,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from RL2.parallel.host_comm import as_bytes
+
 logger = logging.getLogger(__name__)
 
 
@@ -104,7 +106,7 @@ class _Ring:
             # through shared memory, done before returning. gloo's TCP transfers need its I/O
             # thread, which gets no core while both ranks compute (1 thread each): a 1 MB shift
             # "overlapped" with compute still waited ~2 ms (benchmarks/README.md, fix 17)
-            buf.view(-1).view(torch.uint8).copy_(slots[(self.rank - 1) % self.size])
+            as_bytes(buf).copy_(slots[(self.rank - 1) % self.size])
             self.host.release()
             return lambda: buf
         ops = [

@@ -1,10 +1,31 @@
 import os
+import shutil
+import tempfile
 
 import pytest
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("WANDB_MODE", "offline")
+
+
+def pytest_configure(config):
+    """Child processes get a temp directory removed when the session ends: torchrun makes a
+    torchelastic_* log directory per launch in $TMPDIR and never removes it (thousands piled up
+    in /tmp). This process keeps /tmp (pytest's own tmp_path directories stay for inspection),
+    and compiled kernels stay in torch's usual cache, whose default path follows $TMPDIR."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())
+    tempfile.gettempdir()  # resolved (and cached) before $TMPDIR changes
+    config.rl2_child_tmp = tempfile.mkdtemp(prefix="rl2-t-")  # short: socket paths <= 107 bytes
+    os.environ["TMPDIR"] = config.rl2_child_tmp
+
+
+def pytest_unconfigure(config):
+    tmp = getattr(config, "rl2_child_tmp", None)
+    if tmp:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

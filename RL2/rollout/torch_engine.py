@@ -281,39 +281,38 @@ class TorchEngine(Engine):
                 pass
 
     # ---------------------------------------------------------------- steps
-    def _take_waiting(self) -> tuple[list[Request], list[tuple[int, object]]]:
-        """Waiting requests for one prefill (within the row and prefill-token budgets) and the
-        prefix-cache hit of each."""
-        batch, hits, rows, tokens, seen = [], [], len(self._rows), 0, set()
+    def _take_waiting(self) -> tuple[list[Request], list[tuple[int, object]], list[int]]:
+        """Waiting requests for one prefill (within the row and prefill-token budgets), the
+        prefix-cache hit of each, and for each the index of the first request with its prompt."""
+        batch, hits, which, first = [], [], [], {}
+        rows, tokens = len(self._rows), 0
         while self._waiting:
             req = self._waiting[0]
             hit = self.prefix_cache.lookup(req.prompt) if self.own_forward else (0, None)
             key = tuple(req.prompt)
-            new = 0 if key in seen else len(req.prompt) - hit[0]  # a repeat is prefilled once
+            new = 0 if key in first else len(req.prompt) - hit[0]  # a repeat is prefilled once
             fits = rows + req.params.n <= self.max_batch_size and tokens + new <= self.max_prefill_tokens
             if not fits and (batch or rows):
                 break  # an oversized request still runs, alone, once the engine is empty
             self._waiting.pop(0)
             if req.future.done():  # caller gave up before admission
                 continue
+            which.append(first.setdefault(key, len(batch)))
             batch.append(req)
             hits.append(hit)
-            seen.add(key)
             rows, tokens = rows + req.params.n, tokens + new
-        return batch, hits
+        return batch, hits, which
 
     @torch.inference_mode()
     def _admit(self) -> None:
-        batch, hits = self._take_waiting()
+        batch, hits, which = self._take_waiting()
         if not batch:
             return
         self._admitting = batch  # if the prefill fails, these callers get the error too
         # Each distinct prompt is prefilled once and its n samples start from the same logits
         # and KV; so are identical prompts of separate requests (a GRPO group whose samples
         # run as trajectories of their own: 16 x 18 -> 4 x 18 prefill tokens in the benchmark)
-        first: dict = {}
-        which = [first.setdefault(tuple(r.prompt), i) for i, r in enumerate(batch)]
-        unique = sorted(set(which))
+        unique = [i for i, w in enumerate(which) if w == i]
         at = {i: u for u, i in enumerate(unique)}
         self.stats["prefill_tokens"] += sum(len(batch[i].prompt) - hits[i][0] for i in unique)
         self.stats["cached_prompt_tokens"] += sum(hits[i][0] for i in unique)

@@ -14,6 +14,8 @@ import torch
 
 from tests.dist_utils import free_port
 
+SHM = "/dev/shm"
+
 PROMPTS = ["12 + 30 =", "hello world", "the answer is", "7 * 6 = 42 and 5 + 5 ="]
 
 
@@ -42,16 +44,16 @@ def start_vllm_server(model: str, log_path, *extra: str, env: dict | None = None
            "--no-enable-chunked-prefill", "--max-num-batched-tokens", "8192",
            "--weight-transfer-config", json.dumps({"backend": "rl2_gloo"}), *extra]
     # its ZMQ sockets (VLLM_RPC_BASE_PATH) and init files (TMPDIR) in a directory of its own, removed
-    # when it stops (a killed server leaves them in /tmp); compiled kernels stay in the usual cache
+    # when it stops (a killed server leaves them behind); compiled kernels stay in the usual cache
+    # (TORCHINDUCTOR_CACHE_DIR, pinned in tests/conftest.py)
     tmp = tempfile.mkdtemp(prefix="rl2-vllm-")  # short: a socket path has <= 107 bytes
-    inductor = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or os.path.join(
-        tempfile.gettempdir(), "torchinductor_" + os.environ.get("USER", "root"))
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "TMPDIR": tmp, "VLLM_RPC_BASE_PATH": tmp,
-           "TORCHINDUCTOR_CACHE_DIR": inductor, **(env or {})}
+           **(env or {})}
     log = open(log_path, "w")
+    shm_before = _shm_files()
     # own process group: the test can kill the server with all its children
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    proc.rl2_tmpdir = tmp
+    proc.rl2_tmpdir, proc.rl2_shm_before = tmp, shm_before
     return proc, f"http://127.0.0.1:{port}"
 
 
@@ -68,6 +70,36 @@ def stop_vllm_server(proc, grace_s: float = 60.0) -> None:
     _signal_group(proc.pid, signal.SIGKILL)
     proc.wait(timeout=30)
     shutil.rmtree(proc.rl2_tmpdir, ignore_errors=True)
+    _remove_orphans(proc.rl2_shm_before)
+
+
+def _shm_files() -> set[str]:
+    try:
+        return set(os.listdir(SHM))
+    except OSError:
+        return set()
+
+
+def _remove_orphans(before: set[str]) -> None:
+    """/dev/shm files of a killed server: vLLM's shared-memory queues (psm_*) and a semaphore
+    (sem.mp-*) made since it started that no live process maps (a SIGKILLed server, as in the
+    crash test, never unlinks them)."""
+    new = {n for n in _shm_files() - before if n.startswith(("psm_", "sem.mp-"))}
+    if not new:
+        return
+    mapped = set()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                maps = f.read()
+            mapped.update(n for n in new if f"{SHM}/{n}" in maps)
+        except OSError:  # gone meanwhile, or not ours to read
+            pass
+    for n in new - mapped:
+        try:
+            os.unlink(os.path.join(SHM, n))
+        except OSError:
+            pass
 
 
 def _signal_group(pgid: int, sig: int) -> bool:

@@ -43,7 +43,8 @@ async def step(state, action, extra_info):
 
 def launch(args, model, data, env_path, k, run_dir, servers=()):
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.nproc}",
-           "--master_addr=127.0.0.1", f"--master_port={free_port()}", "-m", "RL2.trainer.ppo",
+           "--master_addr=127.0.0.1", f"--master_port={free_port()}",
+           f"--log-dir={os.path.join(run_dir, 'torchrun')}", "-m", "RL2.trainer.ppo",
            f"actor.model_name={model}", f"data.train.path={data}/ppo_train.jsonl",
            f"actor.rollout.env_path={env_path}", "actor.rollout.max_turns=3",
            f"trainer.save_dir={run_dir}", "trainer.experiment_name=run", "trainer.device=cpu",

@@ -48,7 +48,8 @@ def free_port() -> int:
 
 def launch(nproc: int, model: str, data: str, run_dir: str, steps: int, args, gae: bool):
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-           "--master_addr=127.0.0.1", f"--master_port={free_port()}", "-m", "RL2.trainer.ppo",
+           "--master_addr=127.0.0.1", f"--master_port={free_port()}",
+           f"--log-dir={os.path.join(run_dir, 'torchrun')}", "-m", "RL2.trainer.ppo",
            f"actor.model_name={model}", f"data.train.path={data}/ppo_train.jsonl",
            f"actor.rollout.env_path={os.path.join(REPO, 'envs', 'answer_match.py')}",
            f"trainer.save_dir={run_dir}", "trainer.experiment_name=run",

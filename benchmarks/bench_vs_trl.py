@@ -58,14 +58,15 @@ def _run(cmd, threads: int, timeout: float, cwd: str):
         raise RuntimeError(f"{' '.join(cmd[:6])} ... failed:\n{proc.stderr[-2000:]}")
 
 
-def _torchrun(nproc: int) -> list[str]:
+def _torchrun(nproc: int, root: str) -> list[str]:
     import socket
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-            "--master_addr=127.0.0.1", f"--master_port={port}"]
+            "--master_addr=127.0.0.1", f"--master_port={port}",
+            f"--log-dir={os.path.join(root, 'torchrun')}"]  # not a torchelastic_* left in /tmp
 
 
 def _load(path: str) -> list[dict]:
@@ -84,7 +85,7 @@ def run_trl(workload: str, root: str, args) -> list[dict]:
 
 def run_rl2(workload: str, root: str, nproc: int, threads: int, args, keys: list[str]) -> list[dict]:
     out = os.path.join(root, f"rl2_{workload}_{nproc}_{'_'.join(keys)}.json")
-    _run(_torchrun(nproc) + [os.path.join(HERE, "vs_trl_rl2.py"), "--workload", workload,
+    _run(_torchrun(nproc, root) + [os.path.join(HERE, "vs_trl_rl2.py"), "--workload", workload,
                              "--assets", root, "--steps", str(args.repeats + 1),
                              "--threads", str(threads), "--new-tokens", str(args.new_tokens),
                              "--dtype", args.dtype, "--out", out]

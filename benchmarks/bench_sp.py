@@ -69,6 +69,18 @@ def worker(args):
     dist.destroy_process_group()
 
 
+def _launch(args, sp: int, logs: str) -> dict:
+    """One sp_size run under torchrun: its RESULT line."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={sp}",
+           f"--log-dir={logs}", __file__, "--worker", "--model", args.model, "--length", str(args.length),
+           "--repeats", str(args.repeats)]
+    out = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    line = [l for l in out.stdout.splitlines() if l.startswith("RESULT ")]
+    if not line:
+        raise SystemExit(f"sp={sp} failed:\n{out.stderr[-3000:]}")
+    return json.loads(line[0][7:])
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--length", type=int, default=8192)
@@ -87,17 +99,11 @@ def main():
         args.model = os.path.join(tempfile.mkdtemp(), "model")
         build_tiny_model(args.model, build_tokenizer(), hidden=args.hidden, layers=args.layers,
                          heads=4, kv_heads=2, intermediate=4 * args.hidden, max_pos=args.length + 64)
-    rows, logs = [], tempfile.mkdtemp()  # torchrun's log dirs, removed below
-    for sp in args.sp:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={sp}",
-               f"--log-dir={logs}", __file__, "--worker", "--model", args.model, "--length", str(args.length),
-               "--repeats", str(args.repeats)]
-        out = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
-        line = [l for l in out.stdout.splitlines() if l.startswith("RESULT ")]
-        if not line:
-            raise SystemExit(f"sp={sp} failed:\n{out.stderr[-3000:]}")
-        rows.append(json.loads(line[0][7:]))
-    shutil.rmtree(logs, ignore_errors=True)
+    logs = tempfile.mkdtemp()  # torchrun's log dirs, removed below
+    try:
+        rows = [_launch(args, sp, logs) for sp in args.sp]
+    finally:
+        shutil.rmtree(logs, ignore_errors=True)
     ref = rows[0]
     print(f"\nSequence parallel, one {args.length}-token sequence, hidden {args.hidden}, "
           f"{args.layers} layers (CPU, gloo; median of {args.repeats} steps)\n")

@@ -14,9 +14,11 @@ def pytest_configure(config):
     torchelastic_* log directory per launch in $TMPDIR and never removes it (thousands piled up
     in /tmp). This process keeps /tmp (pytest's own tmp_path directories stay for inspection),
     and compiled kernels stay in torch's usual cache, whose default path follows $TMPDIR."""
-    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
-
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())
+    try:  # a private module: if torch moves it, only the cache's place is not pinned
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())
+    except ImportError:
+        pass
     tempfile.gettempdir()  # resolved (and cached) before $TMPDIR changes
     config.rl2_child_tmp = tempfile.mkdtemp(prefix="rl2-t-")  # short: socket paths <= 107 bytes
     os.environ["TMPDIR"] = config.rl2_child_tmp

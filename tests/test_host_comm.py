@@ -56,6 +56,31 @@ def test_shared_memory_collectives_equal_gloo(world):
         assert served == 6 and after == served  # every call of the first loop; no fallback served
 
 
+def _reuse_agreed(rank, world):
+    from RL2.parallel.host_comm import shared_group
+
+    group = dist.new_group(list(range(world)))
+    host = shared_group(group, "test comm")
+    host.publish(torch.ones(4))  # its file exists: a rank left on it would wait at its barrier
+    host.release()
+    # rank 0 still holds the old group (its last holder not yet collected), the others do not
+    keep = host if rank == 0 else None
+    del host
+    again = shared_group(group, "test comm")
+    slots = again.publish(torch.full((4,), float(rank)))
+    got = slots.view(torch.float32).view(world, 4)[:, 0].tolist()
+    again.release()
+    return again is not keep, got
+
+
+def test_a_shared_group_freed_on_some_ranks_only_is_made_anew_on_all():
+    """Whether a rank still has the shared group depends on when its garbage collector ran:
+    reuse is decided by all ranks together (else rank 0 waited at the old file's barrier while
+    rank 1 built a new group)."""
+    for fresh, got in run_dist(_reuse_agreed, 2, timeout=120):
+        assert fresh and got == [0.0, 1.0]
+
+
 def _sharded_model(world, **kw):
     """A 2-layer Qwen2 (3 FSDP units: the layers and the root) sharded over `world` ranks."""
     from transformers import Qwen2Config, Qwen2ForCausalLM

@@ -66,9 +66,9 @@ class HostGroup:
         if not self.usable or need > self.max_bytes:
             return None
         if self.file is None or self.file.size < need:
-            old, self.file = self.file, None
+            size = max(need, min(2 * self.file.size if self.file else 0, self.max_bytes))
+            self.file = None  # the old mapping goes first: the peak is the new file, not both
             try:  # a failure on any rank is reported to every rank: all fall back together
-                size = max(need, min(2 * old.size if old else 0, self.max_bytes))
                 self.file = SharedFile(size, 1, self.group, self.what)
             except RuntimeError as e:
                 logger.warning("%s stays on %s: %s", self.what, dist.get_backend(self.group), e)
@@ -102,10 +102,15 @@ def shared_group(group, what: str, max_bytes: int = MAX_BYTES) -> HostGroup:
     """One HostGroup per set of ranks and use while any user holds it: the actor, reference and
     critic each build their own (equal) groups, and one shared file serves them all, since their
     collectives run one after another on the trainer thread, each finished before it returns. A
-    new default group (process group re-initialised) gets a new one."""
+    new default group (process group re-initialised) gets a new one. Collective (every rank of
+    `group` calls it at the same point)."""
     key = (tuple(dist.get_process_group_ranks(group)), what, max_bytes)
     host = _SHARED.get(key)
-    if host is None or host.default_group is not dist.group.WORLD:
+    live = host is not None and host.default_group is dist.group.WORLD
+    # an entry is freed when the garbage collector reaches its last holder (a deleted model's
+    # FSDP state is a reference cycle), at a different time on each rank: reuse only if every
+    # rank still has it, else one rank would wait at the old file's barrier, the rest in gloo
+    if not all(gather_objects(live, group)):
         host = _SHARED[key] = HostGroup(group, max_bytes, what)
         host.default_group = dist.group.WORLD  # held: its id cannot be reused while the entry lives
     return host

@@ -174,7 +174,8 @@ class HostReduceScatter(_HostComm):
 
 def install(model: torch.nn.Module, max_bytes: int = MAX_BYTES) -> None:
     """Route the all-gathers and reduce-scatters of every FSDP unit of `model` through shared
-    memory (one file per process group, made at the first collective)."""
+    memory (one file per set of ranks, shared with the other models on them; made at the first
+    collective)."""
     gather, scatter = HostAllGather(max_bytes), HostReduceScatter(max_bytes)
     for unit in fsdp_units(model):
         unit.set_custom_all_gather(gather)

@@ -197,3 +197,39 @@ def test_a_full_dev_shm_falls_back_to_gloo_instead_of_killing_the_run(tmp_path):
             assert equal and served == 0
     finally:
         subprocess.run(["umount", str(mount)])
+
+
+def _growth_in_small_shm(rank, world, shm_dir):
+    from RL2.parallel.host_comm import HostAllGather
+    from RL2.rollout import shm
+
+    shm.SHM_DIR = shm_dir  # a 1 MiB tmpfs
+    gather, results = HostAllGather(), []
+    # KiB per rank: a 600 KiB file; the doubled 1200 fails, the 800 needed fits; 2 x 1 MiB
+    # fails (gloo), the 800 KiB file is made again; the next 300 KiB are served from it
+    for kib in (300, 400, 1024, 300):
+        x = torch.full((kib * 256,), float(rank))
+        out = torch.empty(x.numel() * world)
+        gather(out, x, dist.group.WORLD)
+        results.append(torch.equal(out, torch.arange(world).float().repeat_interleave(x.numel())))
+    host = gather.groups[dist.group.WORLD.group_name]
+    return results, gather.calls, host.file.size >> 10, host.max_bytes >> 10
+
+
+def test_growth_past_a_small_dev_shm_keeps_the_file_that_fitted(tmp_path):
+    """With one shared file per set of ranks for every FSDP collective, one input too big for
+    /dev/shm must not send all later (smaller) ones to gloo: the file grows only as far as it
+    can (the doubling is given up first) and inputs over that size alone go to gloo."""
+    import subprocess
+
+    mount = tmp_path / "shm"
+    mount.mkdir()
+    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1M", "tmpfs", str(mount)],
+                          capture_output=True)
+    if made.returncode:
+        pytest.skip(f"cannot mount a small tmpfs here: {made.stderr.decode().strip()}")
+    try:
+        for results, served, size, cap in run_dist(_growth_in_small_shm, 2, str(mount)):
+            assert all(results) and served == 3 and size == cap == 800
+    finally:
+        subprocess.run(["umount", str(mount)])

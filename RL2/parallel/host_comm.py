@@ -15,9 +15,9 @@ pipe barrier, reads what it needs, and waits again before any slot may be writte
 are exact: an all-gather is a copy, and a reduce-scatter adds the ranks' chunks in rank order
 (for two ranks a + b, bitwise what gloo returns).
 
-Falls back to the group's own collective (gloo) when the ranks are not on one host, when the
-shared file cannot be made, for a reduction other than SUM, and for inputs whose slots would
-exceed `max_bytes`.
+Falls back to the group's own collective (gloo) when the ranks are not on one host, for inputs
+bigger than the largest shared file that could be made (a small /dev/shm), for a reduction other
+than SUM, and for inputs whose slots would exceed `max_bytes`.
 """
 from __future__ import annotations
 
@@ -66,16 +66,30 @@ class HostGroup:
         if not self.usable or need > self.max_bytes:
             return None
         if self.file is None or self.file.size < need:
-            size = max(need, min(2 * self.file.size if self.file else 0, self.max_bytes))
+            old = self.file.size if self.file else 0
             self.file = None  # the old mapping goes first: the peak is the new file, not both
-            try:  # a failure on any rank is reported to every rank: all fall back together
-                self.file = SharedFile(size, 1, self.group, self.what)
-            except RuntimeError as e:
-                logger.warning("%s stays on %s: %s", self.what, dist.get_backend(self.group), e)
-                self.usable = False
+            # doubled (fewer regrowths), else just what is needed; when neither fits (a small
+            # /dev/shm) the old size is made again so inputs that fitted before stay here
+            if not self._make(max(need, min(2 * old, self.max_bytes)), need):
+                logger.warning("%s: inputs over %d bytes go to %s", self.what, old,
+                               dist.get_backend(self.group))
+                self.max_bytes = old
+                if not (old and self._make(old)):
+                    self.usable = False
                 return None
         self.calls += 1
         return self.file.buffer[:need].view(self.world, nbytes)
+
+    def _make(self, *sizes: int) -> bool:
+        """The file at the first of `sizes` that can be made. A failure on any rank is reported
+        to every rank, so all ranks try the same sizes and agree on the result."""
+        for size in dict.fromkeys(sizes):
+            try:
+                self.file = SharedFile(size, 1, self.group, self.what)
+                return True
+            except RuntimeError as e:
+                logger.warning("%s: no %d-byte shared file: %s", self.what, size, e)
+        return False
 
     def barrier(self) -> None:
         self.file.collective()

@@ -10,6 +10,10 @@ whole step, on the bench_vs_trl model (Qwen2, hidden 512, 8 layers, 8 / 4 heads,
 - engine step: TorchEngine decoding `rows` greedy requests; (time for 64 new tokens - time for 1)
   / 63, so the prefill is left out. What it adds to "linears, cold" is attention over the KV
   cache, the small ops between the matmuls, the LM head and sampling, and Python.
+- memory floor: the bytes a decode step must read (the linear and LM-head weights, and each
+  layer's keys and values over the live window: every row is right-aligned in the engine's
+  cache, so the window is the longest row, rows x (longest + 1) columns) at the rate the cold
+  linears streamed their weights. At a few rows per step decode is bound by memory, not FLOPs.
 Medians; rates also as a fraction of the same run's square-matmul peak (benchmarks/common.py).
 """
 import argparse
@@ -52,6 +56,19 @@ def time_linears(m: dict, rows: int, repeats: int) -> dict[str, float]:
     return out
 
 
+def prompts_of(m: dict, rows: int) -> list[list[int]]:
+    return [[(7 * r + 3 * j) % m["vocab"] for j in range(40 + 8 * r)] for r in range(rows)]
+
+
+def kv_bytes_per_step(m: dict, prompts: list[list[int]], new: int = 64) -> float:
+    """Keys and values read by the mean decode step of `new` tokens (fp32): step t writes
+    column longest + t and attends over longest + t + 1 columns of every row."""
+    head_dim = m["hidden"] // m["heads"]
+    per_column = len(prompts) * m["kv_heads"] * head_dim * 4 * 2 * m["layers"]
+    longest = max(map(len, prompts))
+    return per_column * statistics.mean(longest + t + 1 for t in range(1, new))
+
+
 def time_engine_step(m: dict, rows: int, repeats: int, compile_decode: bool) -> float:
     torch.manual_seed(0)
     cfg = Qwen2Config(vocab_size=m["vocab"], hidden_size=m["hidden"],
@@ -59,7 +76,7 @@ def time_engine_step(m: dict, rows: int, repeats: int, compile_decode: bool) -> 
                       num_attention_heads=m["heads"], num_key_value_heads=m["kv_heads"],
                       max_position_embeddings=1024, tie_word_embeddings=True)
     engine = TorchEngine(Qwen2ForCausalLM(cfg).eval(), None, compile_decode=compile_decode)
-    prompts = [[(7 * r + 3 * j) % m["vocab"] for j in range(40 + 8 * r)] for r in range(rows)]
+    prompts = prompts_of(m, rows)
 
     def run(new):
         async def go():
@@ -92,12 +109,21 @@ def main():
     step = time_engine_step(m, args.rows, max(3, args.repeats // 40), args.compile_decode)
     rows = [[f"linears, {k}", t * 1e3, flop / t / 1e9, f"{flop / t / peak:.0%}",
              weight_bytes / t / 1e9] for k, t in lin.items()]
+    # what a step reads: the layers' and the LM head's weights, and the KV window
+    step_bytes = weight_bytes + 4 * m["vocab"] * m["hidden"] + kv_bytes_per_step(
+        m, prompts_of(m, args.rows))
+    floor = step_bytes / (weight_bytes / lin["cold"])
     rows.append(["engine decode step" + (" (compiled)" if args.compile_decode else ""),
-                 step * 1e3, flop / step / 1e9, f"{flop / step / peak:.0%}", float("nan")])
+                 step * 1e3, flop / step / 1e9, f"{flop / step / peak:.0%}",
+                 step_bytes / step / 1e9])
+    rows.append(["memory floor of that step", floor * 1e3, flop / floor / 1e9,
+                 f"{flop / floor / peak:.0%}", step_bytes / floor / 1e9])
     print(machine_description("cpu", args.threads))
     print(f"matmul peak {peak / 1e9:.0f} GFLOP/s; {args.rows} tokens per step; linear weights "
-          f"{weight_bytes / 1e6:.0f} MB; GFLOP/s counts the linear layers' work only\n")
-    print(table(["", "ms per step", "GFLOP/s", "of peak", "weights GB/s"], rows))
+          f"{weight_bytes / 1e6:.0f} MB, a decode step reads {step_bytes / 1e6:.0f} MB (with "
+          f"the LM head and the KV window); GFLOP/s counts the linear layers' work only\n")
+    print(table(["", "ms per step", "GFLOP/s", "of peak", "GB/s read"], rows))
+    print(f"\nengine decode step / memory floor: {step / floor:.2f}")
 
 
 if __name__ == "__main__":

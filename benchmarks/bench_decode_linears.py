@@ -1,7 +1,7 @@
 """What bounds the embedded engine's decode step (issue 20): its linear layers alone against the
 whole step, on the bench_vs_trl model (Qwen2, hidden 512, 8 layers, 8 / 4 heads, vocab 2048).
 
-    python -m benchmarks.bench_decode_linears [--threads 2 --rows 16 --repeats 200]
+    python -m benchmarks.bench_decode_linears [--threads 2 --rows 16 --repeats 200] [--quick]
 
 - linears, cold: every layer's q/k/v, o, gate/up and down projections with its own
   oneDNN-packed weights, as the engine's runner calls them (RL2/utils/onednn.py), on `rows` new
@@ -25,7 +25,7 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from benchmarks.common import machine_description, matmul_peak, table
-from benchmarks.vs_trl_data import FULL_MODEL
+from benchmarks.vs_trl_data import FULL_MODEL, QUICK_MODEL
 from RL2.rollout.engine import SamplingParams
 from RL2.rollout.torch_engine import TorchEngine
 from RL2.utils.onednn import _mm
@@ -99,9 +99,10 @@ def main():
     p.add_argument("--rows", type=int, default=16, help="tokens per decode step (requests)")
     p.add_argument("--repeats", type=int, default=200, help="linears timings (engine: / 40)")
     p.add_argument("--compile-decode", action="store_true")
+    p.add_argument("--quick", action="store_true", help="bench_vs_trl's tiny model (smoke test)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    m = FULL_MODEL
+    m = QUICK_MODEL if args.quick else FULL_MODEL
     peak = matmul_peak("cpu", torch.float32)
     per_layer = sum(o * i for o, i in layer_shapes(m))
     flop, weight_bytes = 2 * args.rows * per_layer * m["layers"], 4 * per_layer * m["layers"]

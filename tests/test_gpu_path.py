@@ -41,10 +41,11 @@ def _fake_collective(name, seen):
 def _device_audit(rank, world):
     """One "NCCL-like" group: every collective RL2 issues on a host-made tensor must move it to
     the group's device first (old code all-reduced CPU tensors: metrics, grad norm with
-    offloaded grads, the weight-sync mode flag)."""
+    offloaded grads, the weight-sync mode flag, the strict on-policy ratio check)."""
     from types import SimpleNamespace
     from unittest import mock
 
+    from RL2.algorithms.on_policy import check_first_ratio
     from RL2.parallel import collectives
     from RL2.rollout import weight_sync
     from RL2.rollout.weight_sync import WeightSync
@@ -71,6 +72,7 @@ def _device_audit(rank, world):
         "grad_norm": lambda: collectives.grad_norm_and_clip([param], 1.0),
         "weight_sync_mode": lambda: sync._choose_mode(None),
         "weight_sync_gather": lambda: list(gather.stream()),
+        "strict_on_policy_ratio": lambda: check_first_ratio(None, 0.0, 0),
     }
     with mock.patch.object(collectives, "group_device", lambda group=None: meta), \
             mock.patch.object(weight_sync, "group_device", lambda group=None: meta), \
@@ -90,7 +92,7 @@ def _device_audit(rank, world):
 def test_collectives_use_the_group_device():
     results = run_dist(_device_audit, 2)[0]
     assert results == {"all_reduce_metric": "ok", "grad_norm": "ok", "weight_sync_mode": "ok",
-                       "weight_sync_gather": "ok"}
+                       "weight_sync_gather": "ok", "strict_on_policy_ratio": "ok"}
 
 
 def test_check_device_names_the_mismatch(monkeypatch):

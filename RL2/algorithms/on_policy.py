@@ -7,8 +7,9 @@ log-probs after top-p renormalisation, a wrong temperature) or a train/eval diff
 forward breaks one of these silently; these checks stop the run instead, naming the step and the
 largest per-token deviation.
 """
-import torch
 import torch.distributed as dist
+
+from RL2.parallel.collectives import all_reduce_floats
 
 # Two forwards of the same weights on the same packed batch differ only by float rounding.
 RATIO_TOL = 1e-6
@@ -42,10 +43,9 @@ def check_engine_logps(samples: list[dict], step: int, tol: float):
 def check_first_ratio(actor, local_gap: float, step: int):
     """Before the first optimizer step the ratio pi / pi_old must be 1: `local_gap` is this
     rank's largest |logp - old_logp| in the first mini-batch; all ranks take part."""
-    t = torch.tensor([local_gap], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    if t.item() > RATIO_TOL:
+    gap = all_reduce_floats([local_gap], op=dist.ReduceOp.MAX)[0]  # on the group's device
+    if gap > RATIO_TOL:
         raise OnPolicyError(
             f"strict on-policy check failed at step {step + 1}: the first update's ratio is not 1 "
-            f"(largest |log ratio| {t.item():.3g} > {RATIO_TOL}); the training forward differs "
+            f"(largest |log ratio| {gap:.3g} > {RATIO_TOL}); the training forward differs "
             f"from the log-prob pass on the same weights")

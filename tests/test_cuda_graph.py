@@ -13,25 +13,42 @@ from RL2.rollout.torch_engine import TorchEngine
 from tests.test_torch_engine import CharTokenizer, random_prompts, staggered, tiny_model
 
 
+def _addresses(kv) -> list[int]:
+    return [t.data_ptr() for t in kv.k + kv.v]
+
+
 class ReplayGraph:
     """Stands in for a captured torch.cuda.CUDAGraph under its rules: `replay` re-runs the
     captured step on the very tensors it was captured with (new values in the static inputs
-    are seen, nothing else is) and writes the same output tensor."""
+    are seen, nothing else is) and writes the same output tensor. A real graph replays on the
+    addresses it was captured on, whatever now lives there (torch/cuda/graphs.py warns of
+    inputs freed between capture and replay): here a replay while the engine's KV buffers are
+    not the captured ones fails instead of quietly reading the old (kept alive) buffers."""
 
-    def __init__(self, step, out):
-        self.step, self.out = step, out
+    def __init__(self, step, out, owner):
+        self.step, self.out, self.owner = step, out, owner
+        self.captured = _addresses(owner.kv_now)
 
     def replay(self):
+        now = _addresses(self.owner.kv_now)
+        assert now == self.captured, "replayed on KV buffers other than the captured ones"
         self.out.copy_(self.step())
 
 
 class CPUGraphedDecode(GraphedDecode):
     captures = 0
+    buckets: set = set()  # (bucket, the cache's row capacity) of every graph replayed
+
+    def __call__(self, kv, tokens):
+        self.kv_now = kv  # what the real graph cannot see: the buffers the engine uses now
+        out = super().__call__(kv, tokens)
+        CPUGraphedDecode.buckets |= {(b, kv.k[0].shape[0]) for b in self.graphs}
+        return out
 
     def _record(self, step, device):
         CPUGraphedDecode.captures += 1
         out = step()
-        return ReplayGraph(step, out), out
+        return ReplayGraph(step, out, self), out
 
 
 def _engine(model, graphed: bool) -> TorchEngine:
@@ -53,7 +70,7 @@ def test_static_decode_with_graph_bookkeeping_equals_decode():
     prompts = random_prompts(11, seed=3)
     lengths = [4 + 7 * (i % 4) for i in range(11)]  # rows finish at different steps: buckets shrink
     plain, graphed = _engine(model, False), _engine(model, True)
-    CPUGraphedDecode.captures = 0
+    CPUGraphedDecode.captures, CPUGraphedDecode.buckets = 0, set()
     for gap in (0, 3):  # all at once; staggered, so rows join a decoding batch (reallocations)
         want = _run(plain, prompts, lengths, gap)
         got = _run(graphed, prompts, lengths, gap)
@@ -61,8 +78,8 @@ def test_static_decode_with_graph_bookkeeping_equals_decode():
             assert t1 == t2
             torch.testing.assert_close(torch.tensor(l2), torch.tensor(l1), rtol=1e-5, atol=1e-6)
     assert CPUGraphedDecode.captures >= 4  # several buckets and re-captures were exercised
-    buckets = set(graphed.runner.graphed.graphs)
-    assert buckets and all(b & (b - 1) == 0 or b == graphed.runner.kv.k[0].shape[0] for b in buckets)
+    buckets = CPUGraphedDecode.buckets
+    assert len(buckets) > 1 and all(b & (b - 1) == 0 or b == cap for b, cap in buckets)
     # new weights: graphs are dropped and the next steps follow the new model
     other = tiny_model(seed=1, max_pos=256)
     for engine in (plain, graphed):
@@ -91,8 +108,83 @@ def test_cuda_graph_calls_exist_in_this_torch():
     ships the same Python API) since they cannot run here."""
     import inspect
 
-    assert "pool" in inspect.signature(torch.cuda.graph.__init__).parameters
+    assert {"pool", "capture_error_mode"} <= set(inspect.signature(torch.cuda.graph.__init__).parameters)
     assert all(hasattr(torch.cuda.CUDAGraph, m) for m in ("pool", "replay"))
     assert "device" in inspect.signature(torch.cuda.Stream.__new__).parameters
     assert "device" in inspect.signature(torch.cuda.current_stream).parameters
     assert hasattr(torch.cuda.Stream, "wait_stream") and callable(torch.cuda.stream)
+
+
+def _same(got, want):
+    for (t1, l1), (t2, l2) in zip(want, got, strict=True):
+        assert t1 == t2
+        torch.testing.assert_close(torch.tensor(l2), torch.tensor(l1), rtol=1e-5, atol=1e-6)
+
+
+def _decode_steps(runner, last, n):
+    out = []
+    for _ in range(n):
+        logits = runner.decode(last)
+        last = logits.argmax(-1)
+        out.append(logits)
+    return out, last
+
+
+@torch.inference_mode()  # as the engine runs its runner
+def test_a_new_cache_is_never_replayed_on_with_graphs_of_the_old_one():
+    """The engine's failure and abort paths replace the KV cache (`runner.reset`): its graphs
+    go too. And validity is the cache object and its reallocations, not the first buffer's
+    address: a new cache whose layer-0 buffer lands where the old one was (the allocator reuses
+    blocks) while the others land elsewhere must not be replayed on with the old graphs."""
+    from RL2.rollout.kv_cache import BatchKV
+    from RL2.rollout.model_runner import KVRunner
+
+    model = tiny_model(max_pos=256)
+    prompts = random_prompts(5, seed=5)
+    runners = [KVRunner(model, "cpu", onednn=False) for _ in range(2)]
+    graphed = runners[1]
+    graphed.graphed = CPUGraphedDecode(model, graphed.linear)
+    lasts = []
+    for runner in runners:
+        first = runner.prefill(prompts, [(0, None)] * len(prompts)).argmax(-1)
+        runner.join(list(range(len(prompts))), room=16)
+        lasts.append(first)
+    (want, lasts[0]), (got, lasts[1]) = [_decode_steps(r, x, 3) for r, x in zip(runners, lasts)]
+    torch.testing.assert_close(torch.stack(got), torch.stack(want), rtol=1e-5, atol=1e-6)
+    assert graphed.graphed.graphs
+    old, new = graphed.kv, BatchKV()  # the same first buffer, every other buffer a copy
+    new.k = [old.k[0]] + [b.clone() for b in old.k[1:]]
+    new.v = [b.clone() for b in old.v]
+    new.lens, new.rows, new.start, new.end = old.lens, old.rows, old.start, old.end
+    graphed.kv = new
+    want, _ = _decode_steps(runners[0], lasts[0], 3)
+    got, _ = _decode_steps(graphed, lasts[1], 3)  # the fake fails a replay on the old buffers
+    torch.testing.assert_close(torch.stack(got), torch.stack(want), rtol=1e-5, atol=1e-6)
+    graphed.reset()
+    assert not graphed.graphed.graphs and graphed.graphed.buffers is None
+
+
+def test_a_failed_capture_falls_back_to_the_eager_step(caplog):
+    class Failing(CPUGraphedDecode):
+        def _record(self, step, device):
+            raise RuntimeError("operation not permitted when stream is capturing")
+
+    model = tiny_model(max_pos=256)
+    prompts, lengths = random_prompts(5, seed=7), [6] * 5
+    plain, graphed = _engine(model, False), _engine(model, False)
+    graphed.runner.graphed = Failing(model, graphed.runner.linear)
+    with caplog.at_level("WARNING"):
+        _same(_run(graphed, prompts, lengths, 0), _run(plain, prompts, lengths, 0))
+    assert graphed.runner.graphed is None
+    assert "decoding without graphs from now on" in caplog.text
+
+
+def test_dynamic_rope_decodes_without_graphs(caplog):
+    from RL2.rollout.model_runner import KVRunner
+
+    model = tiny_model(max_pos=256)
+    model.model.rotary_emb.rope_type = "dynamic"  # as transformers sets it from rope_parameters
+    with caplog.at_level("WARNING"):
+        runner = KVRunner(model, "cuda", onednn=False, cuda_graph=True)  # builds nothing on CUDA
+    assert runner.graphed is None and "dynamic RoPE" in caplog.text
+    assert KVRunner(tiny_model(), "cuda", onednn=False, cuda_graph=True).graphed is not None

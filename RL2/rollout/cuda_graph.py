@@ -8,20 +8,34 @@ as one launch. A graph fixes shapes and addresses, so the captured step attends 
 KV buffers with a mask (`BatchKV.full_bias`), reads its token, position and write column from
 tensors filled before each replay, and there is one graph per row-count bucket (powers of two,
 up to the buffers' rows; live rows padded up to it). Graphs are captured at first use and
-dropped when the KV buffers are reallocated (they would read freed memory) or the weights
-change (`clear`). The capture follows torch.cuda.graphs' rules: warm-up on a side stream, then
-`torch.cuda.graph` with one memory pool shared by every bucket.
+dropped when the KV cache is replaced or its buffers reallocated (a graph keeps the addresses
+it was captured on: it would read freed memory) or the weights change (`clear`). The capture
+follows torch.cuda.graphs' rules: warm-up on a side stream, then `torch.cuda.graph` with one
+memory pool shared by every bucket, in "thread_local" error mode: with async rollouts
+(`max_staleness > 0`) the trainer thread allocates on the same GPU during a capture, which the
+default "global" mode makes an error in that thread (torch/cuda/graphs.py, `capture_error_mode`).
 """
 import torch
 
 from RL2.rollout import llama_forward
 
 
+def unsupported(model) -> str | None:
+    """Why `model`'s decode step cannot be captured, or None. "dynamic" RoPE re-reads its
+    length from a device tensor in Python (a host sync inside a capture) and replaces its
+    `inv_freq` buffer (transformers/modeling_rope_utils.py, dynamic_frequency_update)."""
+    rope = getattr(getattr(model.model, "rotary_emb", None), "rope_type", "default")
+    types = rope.values() if isinstance(rope, dict) else [rope]
+    if any("dynamic" in t for t in types):
+        return f"rope_type {rope!r} (dynamic RoPE) cannot be captured"
+    return None
+
+
 class GraphedDecode:
     def __init__(self, model, linear):
         self.model, self.linear = model, linear
-        self.graphs: dict[int, tuple] = {}  # bucket -> (graph, static inputs, static logits)
-        self.buffers = None  # (address, shape) of the KV buffers the graphs were captured on
+        self.graphs: dict[int, tuple] = {}  # bucket -> (graph, static inputs, logits, buffers)
+        self.buffers = None  # (cache, its realloc count) the graphs were captured on
         self.pool = None
 
     def clear(self) -> None:
@@ -30,14 +44,15 @@ class GraphedDecode:
 
     def __call__(self, kv, tokens: torch.Tensor) -> torch.Tensor:
         """`llama_forward.decode(model, tokens, kv)` by replaying a graph."""
-        key = (kv.k[0].data_ptr(), tuple(kv.k[0].shape))
-        if key != self.buffers:
+        # the cache object and its realloc count, not an address: a new cache's first buffer
+        # can land where the old one was while the other layers' land elsewhere
+        if self.buffers is None or self.buffers[0] is not kv or self.buffers[1] != kv.reallocs:
             self.clear()
-            self.buffers = key
+            self.buffers = (kv, kv.reallocs)
         bucket = min(kv.k[0].shape[0], 1 << (kv.rows - 1).bit_length())
         if bucket not in self.graphs:
             self.graphs[bucket] = self._capture(kv, tokens, bucket)
-        graph, inputs, logits = self.graphs[bucket]
+        graph, inputs, logits, _ = self.graphs[bucket]
         self._load(inputs, kv, tokens, bucket)
         graph.replay()
         return logits[:kv.rows].clone()  # the next replay overwrites the static output
@@ -68,7 +83,7 @@ class GraphedDecode:
                                                self.linear)
 
         graph, logits = self._record(step, device)
-        return graph, inputs, logits
+        return graph, inputs, logits, (keys, values)  # held: the memory the graph replays on
 
     def _record(self, step, device) -> tuple:
         """(a CUDA graph of `step`, its static output). The only CUDA-specific part."""
@@ -78,7 +93,7 @@ class GraphedDecode:
             step()
         torch.cuda.current_stream(device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             logits = step()
         self.pool = graph.pool()
         return graph, logits

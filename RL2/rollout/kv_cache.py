@@ -31,8 +31,10 @@ class BatchKV:
         self.v: list[torch.Tensor] = []
         self.lens = torch.zeros(0, dtype=torch.long)  # [rows] tokens held per row
         self.rows = self.start = self.end = 0
+        self.reallocs = 0  # buffers replaced so far (CUDA graphs captured on old ones are stale)
 
     def _realloc(self, row_cap: int, len_cap: int, left: int) -> None:
+        self.reallocs += 1
         width = self.end - self.start
         for bufs in (self.k, self.v):
             for li, old in enumerate(bufs):

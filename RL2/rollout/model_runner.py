@@ -15,11 +15,15 @@ drops rows and returns the new order (old index per new row).
   `position_ids`), so it cannot break with transformers' cache internals either. Meant for
   correctness on models the fast path does not cover; use vLLM or SGLang for speed on them.
 """
+import logging
+
 import torch
 
 from RL2.rollout import llama_forward
 from RL2.rollout.kv_cache import BatchKV
 from RL2.utils.onednn import PackedLinears
+
+logger = logging.getLogger(__name__)
 
 
 class KVRunner:
@@ -37,14 +41,20 @@ class KVRunner:
 
             self.compiled = CompiledDecode(model, self.linear)
         if cuda_graph and torch.device(device).type == "cuda":
-            from RL2.rollout.cuda_graph import GraphedDecode
+            from RL2.rollout.cuda_graph import GraphedDecode, unsupported
 
-            self.graphed = GraphedDecode(model, self.linear)
+            why = unsupported(model)
+            if why:
+                logger.warning("cuda_graph: %s; decoding without graphs", why)
+            else:
+                self.graphed = GraphedDecode(model, self.linear)
         self.reset()
 
     def reset(self) -> None:
         self.kv = BatchKV()
         self._staged = None
+        if self.graphed is not None:  # captured on the old cache's buffers
+            self.graphed.clear()
 
     def weights_changed(self) -> None:
         self.linear.clear()
@@ -69,16 +79,21 @@ class KVRunner:
 
     def decode(self, last: torch.Tensor) -> torch.Tensor:
         self.kv.reserve(1)
+        logits = None
         if self.graphed is not None:
-            logits = self.graphed(self.kv, last)
-        else:
-            logits = None
-            if self.compiled is not None and self.kv.rows > 1:  # one row: eager (dynamo
-                logits = self.compiled(self.kv, last)            # specialises size 1)
-                if logits is None:  # compiling failed (logged): eager from now on
-                    self.compiled = None
-            if logits is None:
-                logits = llama_forward.decode(self.model, last, self.kv, self.linear)
+            try:
+                logits = self.graphed(self.kv, last)
+            except Exception as e:  # noqa: BLE001 - a failed capture: the eager step still works
+                logger.warning("cuda_graph: capturing or replaying the decode step failed (%s: "
+                               "%s); decoding without graphs from now on", type(e).__name__,
+                               (str(e).splitlines() or [""])[0][:300])
+                self.graphed = None
+        elif self.compiled is not None and self.kv.rows > 1:  # one row: eager (dynamo
+            logits = self.compiled(self.kv, last)              # specialises size 1)
+            if logits is None:  # compiling failed (logged): eager from now on
+                self.compiled = None
+        if logits is None:
+            logits = llama_forward.decode(self.model, last, self.kv, self.linear)
         self.kv.advance()
         return logits
 

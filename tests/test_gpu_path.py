@@ -279,3 +279,25 @@ def test_engine_auto_without_sglang_and_gloo_wait(assets):
     kind, built, backend, is_cpu_group, timeout = run_dist(_rollout_choice, 1, assets["model"])[0]
     assert kind == "torch" and built == {"max_model_len": 64}  # no tp_size / bucket_bytes / ...
     assert backend == "gloo" and is_cpu_group and timeout.total_seconds() >= 3600
+
+
+def test_transfer_threads_run_on_the_callers_cuda_device(monkeypatch):
+    """Weight-transfer calls (an NCCL group's join and broadcasts) run on a thread of their
+    own. CUDA's current device is per host thread and a new thread starts on device 0
+    (cudaSetDevice's scope; torch.cuda.set_device calls it), so a rank on GPU 3 would send
+    from GPU 0 unless the thread sets it. Fake: a thread-local current device, 0 by default."""
+    import asyncio
+    import threading
+
+    from RL2.rollout.engine import in_daemon_thread
+
+    local = threading.local()
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: getattr(local, "device", 0))
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: setattr(local, "device", d))
+
+    async def main():
+        torch.cuda.set_device(3)
+        return await in_daemon_thread(torch.cuda.current_device)
+
+    assert asyncio.run(main()) == 3

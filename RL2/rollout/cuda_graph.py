@@ -89,8 +89,11 @@ class GraphedDecode:
         """(a CUDA graph of `step`, its static output). The only CUDA-specific part."""
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):  # lazy initialisations (cuBLAS handles, workspaces) first
-            step()
+        # lazy initialisations (cuBLAS handles, workspaces) first; torch's docs and
+        # make_graphed_callables warm up 3 times (the step rewrites the same column: idempotent)
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                step()
         torch.cuda.current_stream(device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):

@@ -288,10 +288,10 @@ def _tp_group_update(rank, world):
     group = dist.new_group([0, 1], backend="gloo")
     named = [(f"w{i}", torch.full((4,), float(rank))) for i in range(3)]
     if rank == 0:
-        actor = SGLangEngine("/models/x", tp_size=2, dtype="bfloat16", bucket_bytes=32, group=group)
+        actor = SGLangEngine("/models/x", tp_size=2, dtype="bfloat16", bucket_bytes=16, group=group)
         actor.resume_memory()
     else:
-        actor = SGLangPeer(group, 32, torch.bfloat16)
+        actor = SGLangPeer(group, 16, torch.bfloat16)
     actor.update_weights(iter(named))
     if rank == 0:
         actor.engine.fail_update = "bad bucket"
@@ -310,7 +310,7 @@ def _tp_group_update(rank, world):
 def test_each_tp_rank_hands_its_own_copy():
     (per_rank, flushes, failed0), (_, _, failed1) = run_dist(_tp_group_update, 2)
     assert per_rank == [[(f"w{i}", torch.bfloat16, [float(r)] * 4) for i in range(2)] for r in range(2)]
-    assert flushes == [False, True]  # 3 tensors of 16 bytes, 32-byte buckets: 2 buckets
+    assert flushes == [False, True]  # 3 tensors of 8 bytes on the wire (bf16), 16-byte buckets
     assert "bad bucket" in failed0 and "bad bucket" in failed1  # every rank raises
 
 
@@ -334,3 +334,27 @@ def test_sglang_api_contract():
             "port", "dtype"} <= param_names(ServerArgs)
     assert {"temperature", "top_p", "top_k", "max_new_tokens", "stop", "stop_token_ids",
             "skip_special_tokens"} <= param_names(SGLangSamplingParams)
+
+
+def _shm_sync_into_sglang(rank, world):
+    class Patch:
+        def setitem(self, d, k, v):
+            d[k] = v
+    install_fake_sglang(Patch())
+    model = nn.ParameterDict({f"w{i}": nn.Parameter(torch.full((1024,), float(i)))
+                              for i in range(12)})
+    engine = SGLangEngine("/models/x", dtype="float32", bucket_bytes=4 * 4096)  # 4 per bucket
+    sync = WeightSync(model, "shm", bucket_mb=4 * 4096 / 2**20)
+    sync(engine)
+    got = {n: t[0].item() for n, t in engine.engine.weights.items()}
+    return sync.transport, sync.mode, got
+
+
+def test_shm_weight_sync_into_sglang_delivers_every_weight():
+    """The shm transport's tensors are views of two buffers reused in turn (valid until the
+    bucket after next is written), and SGLang's bucketing reads ahead: the adapter copies each
+    tensor as it takes it. Before, w0, w1, w10, w11 arrived holding other weights' values (the
+    GPU case: actor.offload_params=true with several ranks on a host picks shm)."""
+    for transport, mode, got in run_dist(_shm_sync_into_sglang, 2):
+        assert (transport, mode) == ("shm", "buckets")
+        assert got == {f"w{i}": float(i) for i in range(12)}

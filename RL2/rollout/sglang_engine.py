@@ -134,6 +134,12 @@ def check_result(result, what: str) -> None:
         raise RuntimeError(f"SGLang {what} failed: {message}")
 
 
+def _wire(t: torch.Tensor, dtype: torch.dtype, copy: bool = False) -> torch.Tensor:
+    """`t` on this rank's GPU (if any) in the engine dtype (floating tensors only)."""
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else t.device
+    return t.to(device=device, dtype=dtype if t.is_floating_point() else t.dtype, copy=copy)
+
+
 def serialize_bucket(bucket: list[tuple[str, torch.Tensor]], dtype: torch.dtype) -> bytes:
     """This rank's payload for `load_format="flattened_bucket"`: the bucket cast to the engine
     dtype, on this rank's GPU (SGLang TP rank i opens the CUDA-IPC handle of payload i)."""
@@ -142,9 +148,7 @@ def serialize_bucket(bucket: list[tuple[str, torch.Tensor]], dtype: torch.dtype)
     from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
 
     monkey_patch_torch_reductions()  # CUDA IPC keyed by device uuid (SGLang's own receiver does this)
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
-    named = [(n, t.to(device=device or t.device, dtype=dtype if t.is_floating_point() else t.dtype))
-             for n, t in bucket]
+    named = [(n, _wire(t, dtype)) for n, t in bucket]  # no copy when push_buckets made it
     flat = FlattenedTensorBucket(named_tensors=named)
     return MultiprocessingSerializer.serialize(
         {"flattened_tensor": flat.get_flattened_tensor(), "metadata": flat.get_metadata()})
@@ -156,7 +160,9 @@ def push_buckets(named_tensors, bucket_bytes: int, dtype: torch.dtype, group=Non
     rank 0, holding `engine`) gathers them on the gloo `group` (None: the leader alone) and loads
     them. The leader's status is broadcast after each bucket, so every rank keeps its GPU copy
     until it was read, and every rank raises if an update failed."""
-    buckets = make_buckets(named_tensors, bucket_bytes)
+    # each tensor copied as it is taken: the weight-sync stream's shm views are valid only until
+    # it writes the bucket after next, and both make_buckets and this loop read ahead
+    buckets = make_buckets(((n, _wire(t, dtype, copy=True)) for n, t in named_tensors), bucket_bytes)
     bucket = next(buckets, None)
     error = _call(engine.begin_weight_update, "begin_weight_update") if engine is not None else None
     while bucket is not None:

@@ -161,6 +161,19 @@ def test_nccl_push_without_vllm_on_the_trainer_is_refused_at_start(monkeypatch):
     assert check_placement(cfg.actor.rollout, "cpu") == []
 
 
+def test_colocated_vllm_on_cuda_is_refused_at_start():
+    """Colocated, vLLM's workers sit on the trainer's own GPUs, and its NCCL weight transfer
+    would put two ranks on one GPU, which NCCL refuses at init (ncclInvalidUsage, "Multiple
+    ranks are using the same GPU"): the config check says so instead of the first sync."""
+    from RL2.rollout.remote import check_placement
+
+    cfg = cfg_with("actor.rollout.engine=vllm")
+    assert "engine=vllm colocated on CUDA is not supported" in check_placement(cfg.actor.rollout, "cuda")[0]
+    assert check_placement(cfg.actor.rollout, "cpu") == []
+    served = cfg_with("actor.rollout.engine=vllm", "actor.rollout.vllm.server_url=http://h:1")
+    assert check_placement(served.actor.rollout, "cuda") == []
+
+
 @pytest.mark.parametrize("mode", ["pause", pytest.param("abort", marks=pytest.mark.slow)])
 def test_inflight_updates_on_servers_keep_the_staleness_bound(assets, servers, tmp_path, mode):
     check_inflight_updates(assets, servers, tmp_path, mode)

@@ -363,6 +363,13 @@ def check_placement(r, device: str = "cpu") -> list[str]:
     if r.placement not in ("colocated", "disaggregated"):
         return [f"actor.rollout.placement={r.placement!r}: use colocated or disaggregated"]
     if r.placement == "colocated":
+        if device == "cuda" and r.engine == "vllm" and not (r.get("vllm") or {}).get("server_url"):
+            # vLLM's weight transfer to an engine on the trainer's own GPU would be NCCL between
+            # two ranks on one GPU, which NCCL refuses at init (ncclInvalidUsage); the CUDA-IPC
+            # path it needs instead is not written
+            return ["actor.rollout.engine=vllm colocated on CUDA is not supported (its weight sync "
+                    "would be NCCL between two ranks of one GPU): use actor.rollout.placement="
+                    "disaggregated with vLLM servers on other GPUs, or engine=sglang / torch"]
         return []
     problems = []
     if not r.servers:

@@ -145,3 +145,49 @@ def test_without_context_behaves_like_sdpa(arch):
                                    ref(**kw).logits * mask[..., None], atol=1e-5, rtol=0)
     gen = dict(max_new_tokens=6, do_sample=False, pad_token_id=0, **kw)
     assert torch.equal(model.generate(**gen), ref.generate(**gen))
+
+
+def test_softcapping_and_attention_sinks_are_refused_not_dropped():
+    """transformers passes Gemma-2's `softcap` and gpt-oss's `s_aux` (sinks) to the attention
+    function (transformers' own flash integration forwards both); no RL2 path implements them,
+    so they stop the forward instead of being ignored (a Gemma-2 with softcapping gave logits
+    0.39 off eager's)."""
+    q = torch.randn(1, 4, 6, 8)
+    kv = torch.randn(1, 2, 6, 8)
+    ctx = PackedContext(cu_seqlens=torch.tensor([0, 6], dtype=torch.int32), max_seqlen=6)
+    kw = {attention.CTX_KWARG: ctx}
+    module = torch.nn.Module()
+    with pytest.raises(NotImplementedError, match="softcapping"):
+        attention.packed_attention_forward(module, q, kv, kv, None, softcap=30.0, **kw)
+    with pytest.raises(NotImplementedError, match="sinks"):
+        attention.packed_attention_forward(module, q, kv, kv, None, s_aux=torch.zeros(4), **kw)
+    out, _ = attention.packed_attention_forward(module, q, kv, kv, None, softcap=None, **kw)
+    assert out.shape == (1, 6, 4, 8)
+
+
+def test_flash_kernels_only_where_they_run(monkeypatch):
+    """flash-attn refuses pre-Ampere GPUs and head dims not a multiple of 8 or over 256 in its
+    kernel (flash_api.cpp; ring-flash-attn calls the kernel without flash_attn_varlen_func's
+    padding): those take the pure-torch paths."""
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(attention, "_sm_major", lambda device: 8)
+    q = lambda d, dtype=torch.bfloat16, cuda=True: SimpleNamespace(  # noqa: E731
+        is_cuda=cuda, dtype=dtype, shape=(10, 4, d), device="cuda:0")
+    assert attention.flash_supported(q(128)) and attention.flash_supported(q(256))
+    assert not any(attention.flash_supported(x) for x in
+                   (q(100), q(512), q(128, torch.float32), q(128, cuda=False)))
+    monkeypatch.setattr(attention, "_sm_major", lambda device: 7)  # V100 / T4
+    assert not attention.flash_supported(q(128, torch.float16))
+
+
+def test_sequence_parallel_refuses_rope_that_depends_on_the_longest_position():
+    model = build("qwen2", "sdpa")
+    attention.check_sp_rope(model, 2)  # default RoPE: fine
+    model.model.rotary_emb.rope_type = "dynamic"
+    attention.check_sp_rope(model, 1)
+    with pytest.raises(NotImplementedError, match=r"sp_size=2 with rope_type \['dynamic'\]"):
+        attention.check_sp_rope(model, 2)
+    model.model.rotary_emb.rope_type = {"full_attention": "longrope"}
+    with pytest.raises(NotImplementedError, match="longrope"):
+        attention.check_sp_rope(model, 4)

@@ -121,6 +121,12 @@ def packed_attention_forward(
 ) -> tuple[torch.Tensor, None]:
     """HF attention function. query (B, Hq, T, D), key/value (B, Hkv, T, D) -> (B, T, Hq, D)."""
     ctx: PackedContext | None = kwargs.get(CTX_KWARG)
+    # features transformers passes that no path here implements: refuse, never drop them
+    if kwargs.get("softcap"):
+        raise NotImplementedError("attention logit softcapping (e.g. Gemma-2's "
+                                  "attn_logit_softcapping) is not supported by RL2's attention")
+    if kwargs.get("s_aux") is not None:
+        raise NotImplementedError("attention sinks (e.g. gpt-oss) are not supported by RL2's attention")
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     if ctx is None:
@@ -144,7 +150,7 @@ def packed_attention_forward(
         out = ring_attention(q, k, v, ctx.cu_seqlens, ctx.max_seqlen, ctx.sp_group, scale=scaling,
                              host=ctx.ring_host)
         return out[None], None
-    flash = _flash_varlen() if query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) else None
+    flash = _flash_varlen() if flash_supported(query) else None
     if flash is not None:
         q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))
         cu = ctx.cu_seqlens.to(device=q.device, dtype=torch.int32)
@@ -152,6 +158,45 @@ def packed_attention_forward(
                     softmax_scale=scaling, causal=True)
         return out[None], None
     return _causal_per_sequence(query, key, value, ctx.bounds, scaling, dropout), None
+
+
+def flash_supported(q) -> bool:
+    """Whether flash-attn's kernels take `q`: fp16/bf16 on an Ampere or newer GPU (flash_api.cpp
+    refuses older ones), head dim a multiple of 8 up to 256 (its kernel checks; only
+    flash_attn_varlen_func pads other sizes, ring-flash-attn calls the kernel directly).
+    Otherwise the pure-torch paths run."""
+    d = q.shape[-1]
+    return (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and d % 8 == 0 and d <= 256
+            and _sm_major(q.device) >= 8)
+
+
+@lru_cache(maxsize=None)
+def _sm_major(device) -> int:
+    return torch.cuda.get_device_capability(device)[0]
+
+
+def rope_types(model) -> list[str]:
+    """The RoPE types of `model`'s rotary modules (transformers sets `rope_type`, a str or a
+    dict per layer type)."""
+    types = []
+    for m in model.modules():
+        rope = getattr(m, "rope_type", None)
+        if isinstance(rope, str):
+            types.append(rope)
+        elif isinstance(rope, dict):
+            types += [t for t in rope.values() if isinstance(t, str)]
+    return types
+
+
+def check_sp_rope(model, sp: int) -> None:
+    """Ring attention splits each sequence over the sp ranks; RoPE types that pick their
+    frequencies from the largest position id in the batch ("dynamic", "longrope":
+    transformers/modeling_rope_utils.py) would pick them per rank, so ranks would rotate one
+    sequence's q/k differently."""
+    bad = sorted({t for t in rope_types(model) if "dynamic" in t or t == "longrope"})
+    if sp > 1 and bad:
+        raise NotImplementedError(f"sp_size={sp} with rope_type {bad}: these choose RoPE "
+                                  "frequencies from each rank's own positions; use sp_size=1")
 
 
 @lru_cache(maxsize=None)

@@ -71,7 +71,9 @@ def ring_attention(
     if scale is None:
         scale = q.shape[-1] ** -0.5
     if use_flash is None:
-        use_flash = q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
+        from RL2.parallel.attention import flash_supported
+
+        use_flash = flash_supported(q)
     if use_flash:
         fn = _ring_flash_varlen()
         if fn is not None:

@@ -24,11 +24,10 @@ def unsupported(model) -> str | None:
     """Why `model`'s decode step cannot be captured, or None. "dynamic" RoPE re-reads its
     length from a device tensor in Python (a host sync inside a capture) and replaces its
     `inv_freq` buffer (transformers/modeling_rope_utils.py, dynamic_frequency_update)."""
-    rope = getattr(getattr(model.model, "rotary_emb", None), "rope_type", "default")
-    types = rope.values() if isinstance(rope, dict) else [rope]
-    if any("dynamic" in t for t in types):
-        return f"rope_type {rope!r} (dynamic RoPE) cannot be captured"
-    return None
+    from RL2.parallel.attention import rope_types
+
+    dynamic = sorted({t for t in rope_types(model) if "dynamic" in t})
+    return f"rope_type {dynamic} (dynamic RoPE) cannot be captured" if dynamic else None
 
 
 class GraphedDecode:

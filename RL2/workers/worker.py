@@ -10,7 +10,7 @@ from omegaconf import DictConfig
 from RL2.algorithms.losses import upcast
 from RL2.data.packing import MicroBatch, pack, plan_micro_batches, token_capacity, unpack
 from RL2.parallel import host_comm
-from RL2.parallel.attention import PackedContext, packed_kwargs
+from RL2.parallel.attention import PackedContext, check_sp_rope, packed_kwargs
 from RL2.parallel.collectives import gather_objects
 from RL2.parallel.fsdp import parallelize, reshard, resolve_reshard
 from RL2.parallel.mesh import ParallelDims
@@ -79,6 +79,7 @@ class Worker:
             n = onednn.use_for_linears(self.model)  # TP's DTensor weights keep F.linear
             logger.info("cpu_matmul=onednn: %d linear layers computed by oneDNN", n)
         self.config = self.model.config
+        check_sp_rope(self.model, self.dims.sp)
         # ring attention's K/V blocks through shared memory, as FSDP's collectives (cpu_comm)
         self.ring_host = None
         if device == "cpu" and cpu_comm == "shm" and self.dims.sp > 1:

@@ -358,3 +358,16 @@ def test_shm_weight_sync_into_sglang_delivers_every_weight():
     for transport, mode, got in run_dist(_shm_sync_into_sglang, 2):
         assert (transport, mode) == ("shm", "buckets")
         assert got == {f"w{i}": float(i) for i in range(12)}
+
+
+def test_ignored_seeds_are_announced(fake_sglang, caplog):
+    """SGLang 0.5.23 builds the per-request seed tensor only with
+    enable_deterministic_inference (srt/sampling/sampling_batch_info.py); without it
+    `sampling_seed` is ignored and a resumed run does not repeat its samples: said at start."""
+    with caplog.at_level("WARNING"):
+        new_engine()
+    assert "ignores per-request seeds" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        new_engine(enable_deterministic_inference=True)
+    assert "ignores per-request seeds" not in caplog.text

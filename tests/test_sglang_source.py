@@ -48,10 +48,13 @@ def test_server_args_and_sampling_params(src):
             if isinstance(node, ast.ClassDef):
                 declared |= fields(node)
     assert {"model_path", "tp_size", "mem_fraction_static", "enable_memory_saver", "base_gpu_id",
-            "port", "dtype", "log_level"} <= declared
+            "port", "dtype", "log_level", "enable_deterministic_inference"} <= declared
     sampling = fields(find(tree(src / "srt/sampling/sampling_params.py"), "SamplingParams", ast.ClassDef))
     assert {"temperature", "top_p", "top_k", "max_new_tokens", "stop", "stop_token_ids",
             "skip_special_tokens", "sampling_seed"} <= sampling
+    # the seed reaches the sampler only in deterministic-inference mode (the adapter warns)
+    batch_info = (src / "srt/sampling/sampling_batch_info.py").read_text()
+    assert "enable_deterministic_inference" in batch_info and "sampling_seed" in batch_info
 
 
 def test_memory_tags_and_their_state_machine(src):

@@ -248,6 +248,12 @@ class SGLangEngine(Engine):
         self.accepts_seed = _accepts_seed()
         if not self.accepts_seed:
             logger.warning("this SGLang has no sampling_seed: seeded requests are not reproducible")
+        elif not server_args.get("enable_deterministic_inference"):
+            # SGLang builds the per-request seed tensor only in deterministic-inference mode
+            # (srt/sampling/sampling_batch_info.py); otherwise sampling_seed is ignored
+            logger.warning("SGLang ignores per-request seeds unless "
+                           "actor.rollout.sglang.enable_deterministic_inference=true: rollouts "
+                           "will not repeat exactly on resume")
 
     def _sampling_params(self, params: SamplingParams, seed: int | None) -> dict:
         out = dict(temperature=params.temperature, top_p=params.top_p,

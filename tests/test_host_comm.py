@@ -180,10 +180,9 @@ def _small_shm(rank, world, shm_dir):
     return torch.equal(out, torch.arange(world).float().repeat_interleave(x.numel())), gather.calls
 
 
-def test_a_full_dev_shm_falls_back_to_gloo_instead_of_killing_the_run(tmp_path):
-    """A shared file bigger than the space left on its tmpfs (Docker's /dev/shm is 64 MB by
-    default) used to be created sparse, and the first copy into it killed the process with
-    SIGBUS. Its pages are reserved at creation now: creation fails and gloo takes over."""
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A 1 MiB tmpfs (root only: skipped where it cannot be mounted)."""
     import subprocess
 
     mount = tmp_path / "shm"
@@ -192,11 +191,16 @@ def test_a_full_dev_shm_falls_back_to_gloo_instead_of_killing_the_run(tmp_path):
                           capture_output=True)
     if made.returncode:
         pytest.skip(f"cannot mount a small tmpfs here: {made.stderr.decode().strip()}")
-    try:
-        for equal, served in run_dist(_small_shm, 2, str(mount)):
-            assert equal and served == 0
-    finally:
-        subprocess.run(["umount", str(mount)])
+    yield str(mount)
+    subprocess.run(["umount", str(mount)])
+
+
+def test_a_full_dev_shm_falls_back_to_gloo_instead_of_killing_the_run(small_tmpfs):
+    """A shared file bigger than the space left on its tmpfs (Docker's /dev/shm is 64 MB by
+    default) used to be created sparse, and the first copy into it killed the process with
+    SIGBUS. Its pages are reserved at creation now: creation fails and gloo takes over."""
+    for equal, served in run_dist(_small_shm, 2, small_tmpfs):
+        assert equal and served == 0
 
 
 def _growth_in_small_shm(rank, world, shm_dir):
@@ -216,20 +220,9 @@ def _growth_in_small_shm(rank, world, shm_dir):
     return results, gather.calls, host.file.size >> 10, host.max_bytes >> 10
 
 
-def test_growth_past_a_small_dev_shm_keeps_the_file_that_fitted(tmp_path):
+def test_growth_past_a_small_dev_shm_keeps_the_file_that_fitted(small_tmpfs):
     """With one shared file per set of ranks for every FSDP collective, one input too big for
     /dev/shm must not send all later (smaller) ones to gloo: the file grows only as far as it
     can (the doubling is given up first) and inputs over that size alone go to gloo."""
-    import subprocess
-
-    mount = tmp_path / "shm"
-    mount.mkdir()
-    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1M", "tmpfs", str(mount)],
-                          capture_output=True)
-    if made.returncode:
-        pytest.skip(f"cannot mount a small tmpfs here: {made.stderr.decode().strip()}")
-    try:
-        for results, served, size, cap in run_dist(_growth_in_small_shm, 2, str(mount)):
-            assert all(results) and served == 3 and size == cap == 800
-    finally:
-        subprocess.run(["umount", str(mount)])
+    for results, served, size, cap in run_dist(_growth_in_small_shm, 2, small_tmpfs):
+        assert all(results) and served == 3 and size == cap == 800

@@ -289,7 +289,7 @@ def test_transfer_threads_run_on_the_callers_cuda_device(monkeypatch):
     import asyncio
     import threading
 
-    from RL2.rollout.engine import in_daemon_thread
+    from RL2.rollout.engine import in_daemon_thread, on_this_cuda_device
 
     local = threading.local()
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
@@ -301,3 +301,13 @@ def test_transfer_threads_run_on_the_callers_cuda_device(monkeypatch):
         return await in_daemon_thread(torch.cuda.current_device)
 
     assert asyncio.run(main()) == 3
+    # the async-rollout producer thread (RL2/rollout/producer.py) the same way
+    set_device, seen = on_this_cuda_device(), []
+
+    def producer():
+        set_device()
+        seen.append(torch.cuda.current_device())
+    thread = threading.Thread(target=producer)
+    thread.start()
+    thread.join()
+    assert seen == [3]

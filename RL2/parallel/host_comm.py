@@ -71,7 +71,8 @@ class HostGroup:
             # doubled (fewer regrowths), else just what is needed; when neither fits (a small
             # /dev/shm) the old size is made again so inputs that fitted before stay here
             if not self._make(max(need, min(2 * old, self.max_bytes)), need):
-                logger.warning("%s: inputs over %d bytes go to %s", self.what, old,
+                logger.warning("%s: %s go to %s", self.what,
+                               f"inputs over {old} bytes" if old else "all inputs",
                                dist.get_backend(self.group))
                 self.max_bytes = old
                 if not (old and self._make(old)):

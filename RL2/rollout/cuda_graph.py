@@ -15,9 +15,13 @@ memory pool shared by every bucket, in "thread_local" error mode: with async rol
 (`max_staleness > 0`) the trainer thread allocates on the same GPU during a capture, which the
 default "global" mode makes an error in that thread (torch/cuda/graphs.py, `capture_error_mode`).
 """
+import logging
+
 import torch
 
 from RL2.rollout import llama_forward
+
+logger = logging.getLogger(__name__)
 
 
 def unsupported(model) -> str | None:
@@ -41,8 +45,10 @@ class GraphedDecode:
         self.graphs.clear()
         self.buffers = self.pool = None
 
-    def __call__(self, kv, tokens: torch.Tensor) -> torch.Tensor:
-        """`llama_forward.decode(model, tokens, kv)` by replaying a graph."""
+    def __call__(self, kv, tokens: torch.Tensor) -> torch.Tensor | None:
+        """`llama_forward.decode(model, tokens, kv)` by replaying a graph; None when capturing
+        failed (logged; the caller then decodes eagerly and drops this object). The eager step
+        may rerun after a failed capture: it writes the same column with the same values."""
         # the cache object and its realloc count, not an address: a new cache's first buffer
         # can land where the old one was while the other layers' land elsewhere
         if self.buffers is None or self.buffers[0] is not kv or self.buffers[1] != kv.reallocs:
@@ -50,7 +56,12 @@ class GraphedDecode:
             self.buffers = (kv, kv.reallocs)
         bucket = min(kv.k[0].shape[0], 1 << (kv.rows - 1).bit_length())
         if bucket not in self.graphs:
-            self.graphs[bucket] = self._capture(kv, tokens, bucket)
+            try:
+                self.graphs[bucket] = self._capture(kv, tokens, bucket)
+            except Exception:  # noqa: BLE001 - a capture that fails: the eager step still works
+                logger.warning("cuda_graph: capturing the decode step failed; decoding without "
+                               "graphs from now on", exc_info=True)
+                return None
         graph, inputs, logits, _ = self.graphs[bucket]
         self._load(inputs, kv, tokens, bucket)
         graph.replay()
@@ -86,6 +97,10 @@ class GraphedDecode:
 
     def _record(self, step, device) -> tuple:
         """(a CUDA graph of `step`, its static output). The only CUDA-specific part."""
+        with torch.cuda.device(device):  # the capture stream and pool on the cache's GPU
+            return self._record_on(step, device)
+
+    def _record_on(self, step, device) -> tuple:
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         # lazy initialisations (cuBLAS handles, workspaces) first; torch's docs and

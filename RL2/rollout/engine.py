@@ -128,17 +128,23 @@ def check_prompt(prompt_ids, max_model_len: int, vocab_size: int | None = None) 
     return prompt
 
 
+def on_this_cuda_device():
+    """A function that makes the CUDA device current here the current one of the thread that
+    calls it: the current device is per host thread and a new thread starts on device 0 (a
+    rank on another GPU would send, capture or allocate there). A no-op without CUDA."""
+    device = torch.cuda.current_device() if torch.cuda.is_initialized() else None
+    return (lambda: None) if device is None else (lambda: torch.cuda.set_device(device))
+
+
 async def in_daemon_thread(fn, *args):
     """`await asyncio.to_thread(fn, *args)`, on a daemon thread of its own: a transfer call
     (joining a weight-transfer group, a broadcast) blocks until its peer arrives or its timeout
     (up to server_timeout). When the server's side failed, the trainer stops with that error at
     once; a blocked executor thread would hold the process's exit until the timeout. The
-    thread runs on the caller's CUDA device: the current device is per host thread and a new
-    one starts on device 0 (an NCCL broadcast from a rank on another GPU would use the wrong
-    one)."""
+    thread runs on the caller's CUDA device (`on_this_cuda_device`)."""
     loop = asyncio.get_running_loop()
     done = loop.create_future()
-    device = torch.cuda.current_device() if torch.cuda.is_initialized() else None
+    set_device = on_this_cuda_device()
 
     def settle(method, value):
         if not done.done():
@@ -146,8 +152,7 @@ async def in_daemon_thread(fn, *args):
 
     def run():
         try:
-            if device is not None:
-                torch.cuda.set_device(device)
+            set_device()
             result, method = fn(*args), "set_result"
         except BaseException as e:  # noqa: BLE001 - handed to the awaiting coroutine
             result, method = e, "set_exception"

@@ -81,12 +81,8 @@ class KVRunner:
         self.kv.reserve(1)
         logits = None
         if self.graphed is not None:
-            try:
-                logits = self.graphed(self.kv, last)
-            except Exception as e:  # noqa: BLE001 - a failed capture: the eager step still works
-                logger.warning("cuda_graph: capturing or replaying the decode step failed (%s: "
-                               "%s); decoding without graphs from now on", type(e).__name__,
-                               (str(e).splitlines() or [""])[0][:300])
+            logits = self.graphed(self.kv, last)
+            if logits is None:  # capturing failed (logged): eager from now on
                 self.graphed = None
         elif self.compiled is not None and self.kv.rows > 1:  # one row: eager (dynamo
             logits = self.compiled(self.kv, last)              # specialises size 1)

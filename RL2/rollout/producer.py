@@ -27,6 +27,8 @@ import logging
 import threading
 import time
 
+from RL2.rollout.engine import on_this_cuda_device
+
 logger = logging.getLogger(__name__)
 
 INFLIGHT_MODES = ("none", "pause", "abort")
@@ -68,6 +70,7 @@ class Producer:
         self.stopping = False
         rollout.clock = lambda: self.engine_version
         rollout.on_abort = _ON_ABORT[mode]
+        self._set_device = on_this_cuda_device()  # the engine's GPU, not device 0, in the thread
         self.thread = threading.Thread(target=self._main, name="rl2-rollout-producer", daemon=True)
         self.thread.start()
 
@@ -176,6 +179,7 @@ class Producer:
 
     def _main(self) -> None:
         try:
+            self._set_device()
             while True:
                 target = self._wait_for_work()
                 if target is None:

@@ -41,10 +41,10 @@ import torch
 
 from RL2.rollout.engine import Engine, GenerationOutput, SamplingParams
 from RL2.rollout.sglang_engine import make_buckets
-from RL2.rollout.sglang_server import SGLangServerEngine, cast_copies, server_problems, with_last
+from RL2.rollout.sglang_server import SGLangServerEngine, server_problems, with_last
 from RL2.rollout.vllm_server import VLLMServerEngine
 from RL2.workers.lora import AdapterVersions
-from RL2.rollout.vllm_transfer import BACKEND, route_address
+from RL2.rollout.vllm_transfer import BACKEND, cast_copies, route_address
 
 logger = logging.getLogger(__name__)
 

@@ -135,9 +135,11 @@ def check_result(result, what: str) -> None:
 
 
 def _wire(t: torch.Tensor, dtype: torch.dtype, copy: bool = False) -> torch.Tensor:
-    """`t` on this rank's GPU (if any) in the engine dtype (floating tensors only)."""
+    """`t` on this rank's GPU (if any) in the engine dtype (floating tensors only); with
+    `copy`, never `t`'s own memory (one copy: the move or cast's, else a clone)."""
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else t.device
-    return t.to(device=device, dtype=dtype if t.is_floating_point() else t.dtype, copy=copy)
+    out = t.to(device=device, dtype=dtype if t.is_floating_point() else t.dtype)
+    return out.clone() if copy and out.data_ptr() == t.data_ptr() else out
 
 
 def serialize_bucket(bucket: list[tuple[str, torch.Tensor]], dtype: torch.dtype) -> bytes:

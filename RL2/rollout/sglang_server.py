@@ -35,7 +35,7 @@ import torch.distributed as dist
 from RL2.rollout.engine import Engine, GenerationOutput, SamplingParams, check_prompt, close_loop, in_daemon_thread
 from RL2.rollout.server_protocol import http_call, wait_until_up
 from RL2.rollout.sglang_engine import make_buckets
-from RL2.rollout.vllm_transfer import gloo_group
+from RL2.rollout.vllm_transfer import cast_copies, gloo_group
 from RL2.utils.seeding import derive_seed
 from RL2.workers.lora import AdapterVersions
 
@@ -100,12 +100,6 @@ def with_last(items):
         following = next(items, None)
         yield current, following is None
         current = following
-
-
-def cast_copies(named_tensors, dtype: torch.dtype):
-    """Floating tensors cast to the wire dtype, every tensor a copy (the weight-sync stream
-    reuses its buffers, and dtype buckets hold tensors back)."""
-    return ((n, t.to(dtype if t.is_floating_point() else t.dtype, copy=True)) for n, t in named_tensors)
 
 
 def _finish(meta: dict) -> str:

@@ -26,7 +26,7 @@ from typing import Iterable
 import torch
 
 from RL2.rollout.engine import Engine, GenerationOutput, SamplingParams, check_prompt, close_loop, in_daemon_thread
-from RL2.rollout.vllm_transfer import BACKEND, GlooSender, NcclSender, make_buckets
+from RL2.rollout.vllm_transfer import BACKEND, GlooSender, NcclSender, cast_copies, make_buckets
 from RL2.utils.seeding import derive_seed
 from RL2.workers.lora import AdapterVersions
 
@@ -137,8 +137,7 @@ class _VLLMBase(Engine):
 
     async def _update(self, named_tensors) -> None:
         await self.start_update()
-        cast = ((n, t.to(self.dtype) if t.is_floating_point() else t) for n, t in named_tensors)
-        for bucket in make_buckets(cast, self.bucket_bytes):
+        for bucket in make_buckets(cast_copies(named_tensors, self.dtype), self.bucket_bytes):
             await self.push(bucket)
         self.version += 1
         await self.finish_update(str(self.version))

@@ -98,6 +98,13 @@ def gloo_group(store, rank: int, world_size: int, timeout: datetime.timedelta, o
     return dist.ProcessGroupGloo(store, rank, world_size, options)
 
 
+def cast_copies(named_tensors, dtype: torch.dtype):
+    """Floating tensors cast to the wire dtype, every tensor a copy: the weight-sync stream
+    reuses its buffers (shm views are valid until the bucket after next), and bucketing reads
+    ahead or holds tensors back."""
+    return ((n, t.to(dtype if t.is_floating_point() else t.dtype, copy=True)) for n, t in named_tensors)
+
+
 def make_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]],
                  bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Consecutive (name, tensor) pairs grouped into buckets of <= bucket_bytes (a larger tensor

@@ -183,11 +183,33 @@ def test_flash_kernels_only_where_they_run(monkeypatch):
 
 def test_sequence_parallel_refuses_rope_that_depends_on_the_longest_position():
     model = build("qwen2", "sdpa")
-    attention.check_sp_rope(model, 2)  # default RoPE: fine
+    attention.check_sp_rope(attention.rope_types(model), 2)  # default RoPE: fine
     model.model.rotary_emb.rope_type = "dynamic"
-    attention.check_sp_rope(model, 1)
+    attention.check_sp_rope(attention.rope_types(model), 1)
     with pytest.raises(NotImplementedError, match=r"sp_size=2 with rope_type \['dynamic'\]"):
-        attention.check_sp_rope(model, 2)
+        attention.check_sp_rope(attention.rope_types(model), 2)
     model.model.rotary_emb.rope_type = {"full_attention": "longrope"}
     with pytest.raises(NotImplementedError, match="longrope"):
-        attention.check_sp_rope(model, 4)
+        attention.check_sp_rope(attention.rope_types(model), 4)
+
+
+def test_rope_types_are_read_from_the_config_before_the_load():
+    """The worker checks sp against the config before any weight is read; every config layout
+    transformers 5.24 keeps gives the type its model's rotary modules get."""
+    from transformers import Gemma3Config, Gemma3TextConfig, LlamaConfig, Qwen2Config
+
+    types = attention.config_rope_types
+    assert types(LlamaConfig()) == ["default"]
+    assert types(Qwen2Config(rope_scaling={"type": "dynamic", "factor": 2.0})) == ["dynamic"]
+    layered = Gemma3TextConfig(rope_parameters={
+        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+        "full_attention": {"rope_type": "longrope", "rope_theta": 1e6, "factor": 4.0,
+                           "short_factor": [1.0] * 128, "long_factor": [1.0] * 128,
+                           "original_max_position_embeddings": 4096}})
+    assert sorted(types(layered)) == ["default", "longrope"]
+    assert "longrope" in types(Gemma3Config(text_config=layered.to_dict()))  # multimodal: its text part
+    with pytest.raises(NotImplementedError, match="longrope"):
+        attention.check_sp_rope(types(layered), 2)
+    config = Qwen2Config(**{**tiny_config("qwen2").to_dict(), "rope_scaling": {"type": "dynamic", "factor": 2.0}})
+    model = ARCHS["qwen2"][1]._from_config(config)
+    assert attention.rope_types(model) == types(model.config) == ["dynamic"]

@@ -188,12 +188,30 @@ def rope_types(model) -> list[str]:
     return types
 
 
-def check_sp_rope(model, sp: int) -> None:
+def config_rope_types(config) -> list[str]:
+    """The RoPE types a HF config asks for, before any model is built: `rope_parameters`
+    (transformers 5: one dict, or one per layer type) or the older `rope_scaling` ("type" or
+    "rope_type"), also in a multimodal config's text part."""
+    types = []
+    for c in {id(x): x for x in (config, config.get_text_config())}.values():
+        for key in ("rope_parameters", "rope_scaling"):
+            value = getattr(c, key, None)
+            if not isinstance(value, dict):
+                continue
+            for params in (value.values() if all(isinstance(v, dict) for v in value.values()) else [value]):
+                kind = params.get("rope_type") or params.get("type")
+                if isinstance(kind, str):
+                    types.append(kind)
+    return list(dict.fromkeys(types))  # transformers 5 aliases rope_scaling to rope_parameters
+
+
+def check_sp_rope(types: list[str], sp: int) -> None:
     """Ring attention splits each sequence over the sp ranks; RoPE types that pick their
     frequencies from the largest position id in the batch ("dynamic", "longrope":
     transformers/modeling_rope_utils.py) would pick them per rank, so ranks would rotate one
-    sequence's q/k differently."""
-    bad = sorted({t for t in rope_types(model) if "dynamic" in t or t == "longrope"})
+    sequence's q/k differently. `types`: `config_rope_types` before the load, `rope_types`
+    after it (remote code may choose its own)."""
+    bad = sorted({t for t in types if "dynamic" in t or t == "longrope"})
     if sp > 1 and bad:
         raise NotImplementedError(f"sp_size={sp} with rope_type {bad}: these choose RoPE "
                                   "frequencies from each rank's own positions; use sp_size=1")

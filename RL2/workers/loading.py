@@ -14,7 +14,7 @@ import torch.distributed as dist
 from RL2.parallel.attention import register
 
 
-def _config(path: str, value_head: bool, trust_remote_code: bool):
+def model_config(path: str, value_head: bool, trust_remote_code: bool):
     from transformers import AutoConfig
 
     if not value_head:
@@ -40,7 +40,7 @@ def load_hf_model(path: str, value_head: bool, dtype: torch.dtype, trust_remote_
     from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
     cls = AutoModelForTokenClassification if value_head else AutoModelForCausalLM
-    config = _config(path, value_head, trust_remote_code)
+    config = model_config(path, value_head, trust_remote_code)
     kw = dict(attn_implementation=register(), dtype=dtype, trust_remote_code=trust_remote_code)
     if on_meta:
         with torch.device("meta"):

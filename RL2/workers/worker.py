@@ -10,14 +10,14 @@ from omegaconf import DictConfig
 from RL2.algorithms.losses import upcast
 from RL2.data.packing import MicroBatch, pack, plan_micro_batches, token_capacity, unpack
 from RL2.parallel import host_comm
-from RL2.parallel.attention import PackedContext, check_sp_rope, packed_kwargs
+from RL2.parallel.attention import PackedContext, check_sp_rope, config_rope_types, packed_kwargs, rope_types
 from RL2.parallel.collectives import gather_objects
 from RL2.parallel.fsdp import parallelize, reshard, resolve_reshard
 from RL2.parallel.mesh import ParallelDims
 from RL2.utils import onednn
 from RL2.utils.config import check_choice, resolve_dtype
 from RL2.workers import lora
-from RL2.workers.loading import load_sharded
+from RL2.workers.loading import load_sharded, model_config
 
 logger = logging.getLogger(__name__)
 
@@ -73,13 +73,16 @@ class Worker:
                 self.peft = lora.apply_lora(model, cfg.lora, value_head,
                                             lora.base_dtype(cfg.lora, device, master))
 
+        if self.dims.sp > 1:  # before any weight is read
+            check_sp_rope(config_rope_types(model_config(cfg.model_name, value_head, cfg.trust_remote_code)),
+                          self.dims.sp)
         self.model = load_sharded(cfg.model_name, value_head, master, cfg.trust_remote_code,
                                   shard, where, prepare)
         if cpu_matmul == "onednn" and device == "cpu":
             n = onednn.use_for_linears(self.model)  # TP's DTensor weights keep F.linear
             logger.info("cpu_matmul=onednn: %d linear layers computed by oneDNN", n)
         self.config = self.model.config
-        check_sp_rope(self.model, self.dims.sp)
+        check_sp_rope(rope_types(self.model), self.dims.sp)
         # ring attention's K/V blocks through shared memory, as FSDP's collectives (cpu_comm)
         self.ring_host = None
         if device == "cpu" and cpu_comm == "shm" and self.dims.sp > 1:

@@ -161,6 +161,28 @@ def test_nccl_push_without_vllm_on_the_trainer_is_refused_at_start(monkeypatch):
     assert check_placement(cfg.actor.rollout, "cpu") == []
 
 
+def test_a_dropped_vllm_server_frees_its_nccl_communicator():
+    """vLLM's `trainer_init` returns a PyNcclCommunicator, freed only by its destroy() (its
+    signature on vLLM 0.32: tests/vllm/test_vllm_args.py): dropping the server calls it once."""
+    from RL2.rollout.vllm_server import VLLMServerEngine
+    from RL2.rollout.vllm_transfer import NcclSender
+
+    class Communicator:
+        destroyed = 0
+
+        def destroy(self):
+            self.destroyed += 1
+
+    client = object.__new__(VLLMServerEngine)  # the sender's life only: no server handshake
+    sender = NcclSender(n_workers=1)
+    sender.group = communicator = Communicator()
+    client._sender, client._lora = sender, ("adapter", 1)
+    client.forget()
+    assert (client._sender, client._lora, sender.group, communicator.destroyed) == (None, None, None, 1)
+    sender.close()
+    assert communicator.destroyed == 1
+
+
 def test_colocated_vllm_on_cuda_is_refused_at_start():
     """Colocated, vLLM's workers sit on the trainer's own GPUs, and its NCCL weight transfer
     would put two ranks on one GPU, which NCCL refuses at init (ncclInvalidUsage, "Multiple

@@ -17,7 +17,8 @@ import torch
 from torch import nn
 
 from RL2.rollout.engine import SamplingParams
-from RL2.rollout.sglang_engine import SGLangEngine, SGLangPeer, make_buckets, param_names
+from RL2.rollout.sglang_engine import SGLangEngine, SGLangPeer, param_names
+from RL2.rollout.weight_layout import make_buckets
 from RL2.rollout.weight_sync import WeightSync
 from RL2.utils.seeding import derive_seed
 from tests.dist_utils import run_dist
@@ -85,9 +86,11 @@ def test_adapter_maps_requests_and_outputs(fake_sglang):
     engine = new_engine(tp_size=2, mem_fraction_static=0.6, base_gpu_id=2, port=31000,
                         bucket_bytes=100, log_level="warning")
     fake = engine.engine
+    port = fake.server_args.pop("nccl_port")
     assert fake.server_args == dict(model_path="/models/x", tp_size=2, mem_fraction_static=0.6,
                                     base_gpu_id=2, port=31000, enable_memory_saver=True,
                                     dtype="bfloat16", log_level="warning")
+    assert 22000 + 2 * 2666 <= port < 22000 + 3 * 2666  # base GPU 2's slice (no CUDA: 3 slices)
     assert engine.loop is fake.loop
     # released at start-up: generating needs a sync (which resumes) first
     assert fake.calls == [("release", ALL)]
@@ -371,3 +374,34 @@ def test_ignored_seeds_are_announced(fake_sglang, caplog):
     with caplog.at_level("WARNING"):
         new_engine(enable_deterministic_inference=True)
     assert "ignores per-request seeds" not in caplog.text
+
+
+def test_a_groups_sglang_engine_starts_on_its_leaders_own_gpu(monkeypatch):
+    """base_gpu_id is the leader's CUDA device as the worker set it, not a guess from its rank
+    (a launch whose ranks do not follow the node's device order)."""
+    from RL2.rollout.rollout import engine_kwargs
+    from RL2.utils.config import load_config
+
+    cfg = load_config("ppo", ["actor.model_name=m", "data.train.path=x", "actor.rollout.env_path=x",
+                              "actor.rollout.engine=sglang", "actor.rollout.tp_size=2"]).actor.rollout
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert engine_kwargs("sglang", cfg)["base_gpu_id"] == 3
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert engine_kwargs("sglang", cfg)["base_gpu_id"] == 0
+
+
+def test_engines_of_one_host_draw_nccl_ports_from_disjoint_slices():
+    """SGLang samples a free port in 22000-29999 for each engine's rendezvous, but binds it only
+    later (srt/server_args.py PortArgs.init_new): engines started together could draw the same.
+    Each engine draws from its base GPU's slice, skipping ports in use."""
+    import socket
+
+    from RL2.rollout.sglang_engine import nccl_port
+
+    ports = [nccl_port(gpu, 8) for gpu in range(8) for _ in range(20)]
+    assert [(p - 22000) // 1000 for p in ports] == [gpu for gpu in range(8) for _ in range(20)]
+    with socket.socket() as taken:  # a slice of one port, in use: the OS picks one elsewhere
+        taken.bind(("0.0.0.0", 0))
+        busy = taken.getsockname()[1]
+        assert nccl_port(0, 1, low=busy, high=busy) != busy

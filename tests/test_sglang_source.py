@@ -48,7 +48,11 @@ def test_server_args_and_sampling_params(src):
             if isinstance(node, ast.ClassDef):
                 declared |= fields(node)
     assert {"model_path", "tp_size", "mem_fraction_static", "enable_memory_saver", "base_gpu_id",
-            "port", "dtype", "log_level", "enable_deterministic_inference"} <= declared
+            "port", "nccl_port", "dtype", "log_level", "enable_deterministic_inference"} <= declared
+    # no nccl_port: a random free one from 22000-29999, bound later (RL2 passes its own slice's)
+    port_args = (src / "srt/server_args.py").read_text()
+    assert "if server_args.nccl_port is None:" in port_args
+    assert "def get_free_port_below_ephemeral(low=22000, high=29999" in (src / "srt/utils/network.py").read_text()
     sampling = fields(find(tree(src / "srt/sampling/sampling_params.py"), "SamplingParams", ast.ClassDef))
     assert {"temperature", "top_p", "top_k", "max_new_tokens", "stop", "stop_token_ids",
             "skip_special_tokens", "sampling_seed"} <= sampling

@@ -40,7 +40,7 @@ import urllib.request
 import torch
 
 from RL2.rollout.engine import Engine, GenerationOutput, SamplingParams
-from RL2.rollout.sglang_engine import make_buckets
+from RL2.rollout.weight_layout import make_buckets
 from RL2.rollout.sglang_server import SGLangServerEngine, server_problems, with_last
 from RL2.rollout.vllm_server import VLLMServerEngine
 from RL2.workers.lora import AdapterVersions

@@ -26,10 +26,12 @@ logger = logging.getLogger(__name__)
 ROLLOUT_TIMEOUT = timedelta(hours=6)  # a long multi-turn rollout is not a hang
 
 
-def engine_kwargs(kind: str, cfg, rank: int, seed: int = 0) -> dict:
+def engine_kwargs(kind: str, cfg, seed: int = 0) -> dict:
     """Constructor arguments of the backend `kind` (already resolved from "auto")."""
     if kind == "sglang":
-        return dict(tp_size=cfg.tp_size, base_gpu_id=rank % max(1, torch.cuda.device_count()),
+        # the group's engine spans tp_size GPUs from its leader's own (set by the worker)
+        base = torch.cuda.current_device() if torch.cuda.is_available() else 0
+        return dict(tp_size=cfg.tp_size, base_gpu_id=base,
                     bucket_bytes=int(cfg.bucket_mb * 2**20), **dict(cfg.sglang))
     if kind == "vllm":
         kw = dict(max_model_len=cfg.max_model_len or cfg.max_length, bucket_mb=cfg.bucket_mb,
@@ -37,7 +39,7 @@ def engine_kwargs(kind: str, cfg, rank: int, seed: int = 0) -> dict:
         if torch.cuda.is_available() and not kw.get("server_url"):
             # CUDA (NOT RUN): the group's engine is tensor parallel over the group's own GPUs;
             # on CPU the group shares one single-worker engine
-            base = rank % max(1, torch.cuda.device_count())
+            base = torch.cuda.current_device()
             kw.update(tp_size=cfg.tp_size, device_ids=list(range(base, base + cfg.tp_size)))
         return kw
     kw = dict(cfg.get("torch") or {})
@@ -135,7 +137,7 @@ class Rollout:
         self.engine = None
         self.peer = None  # SGLang: this rank's part in the weight updates of its group's engine
         self._weight_sync = None  # built on the first sync (a collective over the model's ranks)
-        kw = engine_kwargs(self.kind, cfg, rank, seed)
+        kw = engine_kwargs(self.kind, cfg, seed)
         # the torch engine in another dtype than the trainer's fp32 master weights: the sync casts
         # (shared-memory buckets are written cast, so engines still share them)
         engine_dtype = kw.get("dtype", "float32") if self.kind == "torch" and not self.disaggregated else "float32"

@@ -35,13 +35,16 @@ import contextlib
 import inspect
 import logging
 import os
+import random
 import socket
-from typing import Iterable, Iterator
+from typing import Iterable
 
 import torch
 import torch.distributed as dist
 
 from RL2.rollout.engine import Engine, GenerationOutput, SamplingParams
+from RL2.rollout.vllm_transfer import cast_copies
+from RL2.rollout.weight_layout import make_buckets
 from RL2.utils.seeding import derive_seed
 from RL2.workers.lora import AdapterVersions
 
@@ -52,28 +55,6 @@ DEFAULT_BUCKET_BYTES = 512 << 20
 # cuda_graph and kv_cache; release all three while training.
 WEIGHTS, CUDA_GRAPH, KV_CACHE = "weights", "cuda_graph", "kv_cache"
 ALL_TAGS = (WEIGHTS, CUDA_GRAPH, KV_CACHE)
-
-
-def make_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]],
-                 bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Group (name, tensor) pairs into buckets of one dtype holding <= bucket_bytes (a tensor
-    larger than bucket_bytes gets a bucket of its own). Streams: a bucket is yielded as soon as the
-    next tensor of its dtype would overflow it; the rest are yielded at the end. Within a dtype
-    the input order is kept. Deterministic: every rank of a group gets the same buckets."""
-    if bucket_bytes <= 0:
-        raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
-    open_buckets: dict[torch.dtype, tuple[list, int]] = {}
-    for name, tensor in named_tensors:
-        nbytes = tensor.numel() * tensor.element_size()
-        bucket, size = open_buckets.get(tensor.dtype, ([], 0))
-        if bucket and size + nbytes > bucket_bytes:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append((name, tensor))
-        open_buckets[tensor.dtype] = (bucket, size + nbytes)
-    for bucket, _ in open_buckets.values():
-        if bucket:
-            yield bucket
 
 
 def param_names(cls) -> set[str]:
@@ -94,6 +75,23 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def nccl_port(slot: int, slots: int, low: int = 22000, high: int = 29999) -> int:
+    """A free port for an engine's torch.distributed rendezvous, drawn from its own slice of the
+    range SGLang samples when none is given (srt/utils/network.py get_free_port_below_ephemeral:
+    below the ephemeral ports, as the scheduler binds it only later). Engines of one host (one
+    per base GPU) use disjoint slices: two starting together cannot draw the same port."""
+    width = (high - low + 1) // max(1, slots)
+    start = low + min(slot, slots - 1) * width
+    for port in random.Random().sample(range(start, start + width), min(width, 64)):
+        with socket.socket() as s:
+            try:
+                s.bind(("0.0.0.0", port))
+            except OSError:
+                continue
+        return port
+    return _free_port()
 
 
 def _finish_reason(meta: dict) -> str:
@@ -134,24 +132,16 @@ def check_result(result, what: str) -> None:
         raise RuntimeError(f"SGLang {what} failed: {message}")
 
 
-def _wire(t: torch.Tensor, dtype: torch.dtype, copy: bool = False) -> torch.Tensor:
-    """`t` on this rank's GPU (if any) in the engine dtype (floating tensors only); with
-    `copy`, never `t`'s own memory (one copy: the move or cast's, else a clone)."""
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else t.device
-    out = t.to(device=device, dtype=dtype if t.is_floating_point() else t.dtype)
-    return out.clone() if copy and out.data_ptr() == t.data_ptr() else out
-
-
-def serialize_bucket(bucket: list[tuple[str, torch.Tensor]], dtype: torch.dtype) -> bytes:
-    """This rank's payload for `load_format="flattened_bucket"`: the bucket cast to the engine
-    dtype, on this rank's GPU (SGLang TP rank i opens the CUDA-IPC handle of payload i)."""
+def serialize_bucket(bucket: list[tuple[str, torch.Tensor]]) -> bytes:
+    """This rank's payload for `load_format="flattened_bucket"`: the bucket, already in the
+    engine dtype on this rank's GPU (`push_buckets`); SGLang TP rank i opens the CUDA-IPC handle
+    of payload i."""
     from sglang.srt.utils.common import MultiprocessingSerializer
     from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
     from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
 
     monkey_patch_torch_reductions()  # CUDA IPC keyed by device uuid (SGLang's own receiver does this)
-    named = [(n, _wire(t, dtype)) for n, t in bucket]  # no copy when push_buckets made it
-    flat = FlattenedTensorBucket(named_tensors=named)
+    flat = FlattenedTensorBucket(named_tensors=bucket)
     return MultiprocessingSerializer.serialize(
         {"flattened_tensor": flat.get_flattened_tensor(), "metadata": flat.get_metadata()})
 
@@ -164,12 +154,13 @@ def push_buckets(named_tensors, bucket_bytes: int, dtype: torch.dtype, group=Non
     until it was read, and every rank raises if an update failed."""
     # each tensor copied as it is taken: the weight-sync stream's shm views are valid only until
     # it writes the bucket after next, and both make_buckets and this loop read ahead
-    buckets = make_buckets(((n, _wire(t, dtype, copy=True)) for n, t in named_tensors), bucket_bytes)
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+    buckets = make_buckets(cast_copies(named_tensors, dtype, device), bucket_bytes)
     bucket = next(buckets, None)
     error = _call(engine.begin_weight_update, "begin_weight_update") if engine is not None else None
     while bucket is not None:
         following = next(buckets, None)
-        payloads = _gather(serialize_bucket(bucket, dtype), group)
+        payloads = _gather(serialize_bucket(bucket), group)
         if engine is not None and error is None:
             error = _call(lambda: engine.update_weights_from_tensor(
                 named_tensors=payloads, load_format="flattened_bucket",
@@ -239,6 +230,7 @@ class SGLangEngine(Engine):
             server_args.setdefault("enable_weights_cpu_backup", True)
             self.adapters = AdapterVersions(lora_dir)
         self.dtype = engine_dtype(model_path, server_args.get("dtype", "auto"))
+        server_args.setdefault("nccl_port", nccl_port(base_gpu_id, max(base_gpu_id + 1, torch.cuda.device_count())))
         with torchrun_env_scrubbed():
             self.engine = sglang.Engine(
                 model_path=model_path, tp_size=tp_size, mem_fraction_static=mem_fraction_static,

@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from RL2.rollout.engine import Engine, GenerationOutput, SamplingParams, check_prompt, close_loop, in_daemon_thread
 from RL2.rollout.server_protocol import http_call, wait_until_up
-from RL2.rollout.sglang_engine import make_buckets
+from RL2.rollout.weight_layout import make_buckets
 from RL2.rollout.vllm_transfer import cast_copies, gloo_group
 from RL2.utils.seeding import derive_seed
 from RL2.workers.lora import AdapterVersions

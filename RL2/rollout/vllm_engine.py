@@ -26,7 +26,8 @@ from typing import Iterable
 import torch
 
 from RL2.rollout.engine import Engine, GenerationOutput, SamplingParams, check_prompt, close_loop, in_daemon_thread
-from RL2.rollout.vllm_transfer import BACKEND, GlooSender, NcclSender, cast_copies, make_buckets
+from RL2.rollout.vllm_transfer import BACKEND, GlooSender, NcclSender, cast_copies
+from RL2.rollout.weight_layout import make_buckets
 from RL2.utils.seeding import derive_seed
 from RL2.workers.lora import AdapterVersions
 
@@ -117,6 +118,12 @@ class _VLLMBase(Engine):
     def _new_sender(self):
         cls = NcclSender if torch.cuda.is_available() else GlooSender
         return cls(n_workers=self.n_workers, timeout_s=self.timeout_s)
+
+    def _drop_sender(self) -> None:
+        """Frees the transfer group (NCCL: the communicator, which is not freed on collection)."""
+        sender, self._sender = self._sender, None
+        if sender is not None:
+            sender.close()
 
     def _close_loop(self) -> None:
         """Let the loop's tasks (vLLM's output handler) end before it closes."""
@@ -276,7 +283,7 @@ class VLLMEngine(_VLLMBase):
         if self.llm is not None:
             self.llm.shutdown()
             self.llm = None  # collected now, not during interpreter exit
-        self._sender = None
+        self._drop_sender()
         if self.adapters is not None:
             self.adapters.close()
         self._close_loop()

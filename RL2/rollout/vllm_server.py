@@ -102,7 +102,8 @@ class VLLMServerEngine(_VLLMBase):
 
     def forget(self) -> None:
         """The server is gone: no goodbye calls at shutdown."""
-        self._sender, self._lora = None, None
+        self._drop_sender()
+        self._lora = None
 
     def _new_sender(self) -> GlooSender | NcclSender:
         cls = NcclSender if self.transfer_backend == "nccl" else GlooSender
@@ -123,7 +124,7 @@ class VLLMServerEngine(_VLLMBase):
                 self._http("POST", "/shutdown_weight_transfer_engine", timeout=10)
             except RuntimeError as e:
                 logger.warning("%s", e)
-        self._sender = None
+        self._drop_sender()
         self.unload_adapter()
         self._pool.shutdown(wait=False, cancel_futures=True)
         if self.adapters is not None:

@@ -21,13 +21,12 @@ from __future__ import annotations
 import datetime
 import os
 import socket
-from typing import Iterable, Iterator
-
 import torch
 import torch.distributed as dist
 
+from RL2.rollout.weight_layout import ALIGN, padded
+
 BACKEND = "rl2_gloo"
-ALIGN = 64
 
 
 def register() -> None:
@@ -50,7 +49,7 @@ def layout(shapes: list, dtypes: list[torch.dtype]) -> tuple[list[int], int]:
         n = dtype.itemsize
         for s in shape:
             n *= s
-        size += -(-n // ALIGN) * ALIGN
+        size += padded(n)
     return offsets, max(size, ALIGN)
 
 
@@ -98,27 +97,12 @@ def gloo_group(store, rank: int, world_size: int, timeout: datetime.timedelta, o
     return dist.ProcessGroupGloo(store, rank, world_size, options)
 
 
-def cast_copies(named_tensors, dtype: torch.dtype):
-    """Floating tensors cast to the wire dtype, every tensor a copy: the weight-sync stream
-    reuses its buffers (shm views are valid until the bucket after next), and bucketing reads
-    ahead or holds tensors back."""
-    return ((n, t.to(dtype if t.is_floating_point() else t.dtype, copy=True)) for n, t in named_tensors)
-
-
-def make_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]],
-                 bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Consecutive (name, tensor) pairs grouped into buckets of <= bucket_bytes (a larger tensor
-    gets a bucket of its own); mixed dtypes share a bucket (the packing is byte-level)."""
-    bucket, size = [], 0
-    for name, tensor in named_tensors:
-        nbytes = -(-tensor.numel() * tensor.element_size() // ALIGN) * ALIGN
-        if bucket and size + nbytes > bucket_bytes:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append((name, tensor))
-        size += nbytes
-    if bucket:
-        yield bucket
+def cast_copies(named_tensors, dtype: torch.dtype, device: torch.device | None = None):
+    """Floating tensors cast to the wire dtype (and moved to `device`, if given), every tensor
+    a copy, made once: the weight-sync stream reuses its buffers (shm views are valid until the
+    bucket after next), and bucketing reads ahead or holds tensors back."""
+    return ((n, t.to(device=device or t.device, dtype=dtype if t.is_floating_point() else t.dtype,
+                     copy=True)) for n, t in named_tensors)
 
 
 class GlooSender:
@@ -165,7 +149,9 @@ class GlooSender:
 class NcclSender:
     """CUDA: vLLM's own `nccl` backend in its unpacked wire mode (one broadcast per tensor, as
     `NCCLTrainerWeightTransferEngine` does with packed=False), through vLLM's public rendezvous
-    helper; same interface as GlooSender. NOT RUN: no GPU was available."""
+    helper; same interface as GlooSender. NOT RUN: no GPU was available. The rendezvous waits
+    vLLM's fixed 300 s (`trainer_init` takes no timeout); `timeout_s` bounds the init call the
+    caller makes meanwhile (its failure ends the wait for the run; the daemon thread stays)."""
 
     def __init__(self, n_workers: int = 1, timeout_s: float = 300.0, host: str = "127.0.0.1"):
         import socket
@@ -193,4 +179,9 @@ class NcclSender:
         stream.synchronize()
 
     def close(self) -> None:
-        self.group = None
+        """Frees the communicator: PyNcclCommunicator.destroy aborts it from a daemon thread
+        joined for at most 5 s (vllm/distributed/device_communicators/pynccl.py), so it returns
+        also when the server side is gone."""
+        group, self.group = self.group, None
+        if group is not None:
+            group.destroy()

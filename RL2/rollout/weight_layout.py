@@ -5,6 +5,7 @@ computes the same layout without talking to the others."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -22,6 +23,28 @@ def numel(shape) -> int:
     for s in shape:
         n *= s
     return n
+
+
+def make_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]],
+                 bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Group (name, tensor) pairs into buckets of one dtype holding <= bucket_bytes (a tensor
+    larger than bucket_bytes gets a bucket of its own). Streams: a bucket is yielded as soon as the
+    next tensor of its dtype would overflow it; the rest are yielded at the end. Within a dtype
+    the input order is kept. Deterministic: every rank of a group gets the same buckets."""
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
+    open_buckets: dict[torch.dtype, tuple[list, int]] = {}
+    for name, tensor in named_tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        bucket, size = open_buckets.get(tensor.dtype, ([], 0))
+        if bucket and size + nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, tensor))
+        open_buckets[tensor.dtype] = (bucket, size + nbytes)
+    for bucket, _ in open_buckets.values():
+        if bucket:
+            yield bucket
 
 
 @dataclass

@@ -21,18 +21,27 @@ def rollout_cfg(*overrides):
 
 def test_cuda_groups_get_tensor_parallel_engines_on_their_own_gpus(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
     cfg = rollout_cfg("actor.rollout.tp_size=2")
-    # 8 ranks on 2 nodes of 4 GPUs: group leaders are ranks 0, 2, 4, 6
-    assert [engine_kwargs("vllm", cfg, r)["device_ids"] for r in (0, 2, 4, 6)] == [[0, 1], [2, 3], [0, 1], [2, 3]]
-    assert engine_kwargs("vllm", cfg, 2)["tp_size"] == 2
+
+    def on_device(d):  # the worker set each rank's device from LOCAL_RANK
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: d)
+
+    # 8 ranks on 2 nodes of 4 GPUs: group leaders are ranks 0, 2, 4, 6 on local devices 0, 2, 0, 2
+    groups = []
+    for rank in (0, 2, 4, 6):
+        on_device(rank % 4)
+        groups.append(engine_kwargs("vllm", cfg)["device_ids"])
+    assert groups == [[0, 1], [2, 3], [0, 1], [2, 3]]
+    on_device(1)  # a launch whose ranks do not follow the node's device order
+    assert engine_kwargs("vllm", cfg)["device_ids"] == [1, 2]
+    assert engine_kwargs("vllm", cfg)["tp_size"] == 2
     # a `vllm serve` process has its own placement
     assert "tp_size" not in engine_kwargs("vllm", rollout_cfg("actor.rollout.tp_size=2",
                                                              "actor.rollout.vllm.server_url=http://h:1"), 0)
 
 
 def test_cpu_groups_share_one_single_worker_engine():
-    kw = engine_kwargs("vllm", rollout_cfg("actor.rollout.tp_size=2"), 0)
+    kw = engine_kwargs("vllm", rollout_cfg("actor.rollout.tp_size=2"))
     assert "tp_size" not in kw and "device_ids" not in kw  # VLLMEngine's default tp_size=1
 
 
@@ -82,6 +91,19 @@ def test_servers_on_cuda_get_vllms_nccl_init_info(monkeypatch):
     gloo = client._new_sender()
     assert isinstance(gloo, GlooSender) and gloo.init_info()["world_size"] == 3
     gloo.close()
+
+
+def test_nccl_senders_communicator_is_freed_by_destroy():
+    """NcclSender.close calls destroy() on what `trainer_init` returns: vLLM's PyNcclCommunicator,
+    whose destroy takes no argument (its abort runs in a daemon thread joined for 5 s)."""
+    import inspect
+
+    from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
+    from vllm.distributed.weight_transfer.nccl_common import trainer_init
+
+    assert "PyNcclCommunicator" in str(inspect.signature(trainer_init).return_annotation)
+    assert list(inspect.signature(PyNcclCommunicator.destroy).parameters) == ["self"]
+    assert "join(timeout=" in inspect.getsource(PyNcclCommunicator.destroy)
 
 
 def test_lora_ranks_are_vllms_max_lora_rank_choices():

@@ -213,3 +213,50 @@ def test_rope_types_are_read_from_the_config_before_the_load():
     config = Qwen2Config(**{**tiny_config("qwen2").to_dict(), "rope_scaling": {"type": "dynamic", "factor": 2.0}})
     model = ARCHS["qwen2"][1]._from_config(config)
     assert attention.rope_types(model) == types(model.config) == ["dynamic"]
+
+
+def fake_flash_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                      dropout_p=0.0, softmax_scale=None, causal=False):
+    """flash_attn_varlen_func of flash-attn 2.8.3 on the CPU: refuses what mha_varlen_fwd
+    refuses (csrc/flash_attn/flash_api.cpp: fp16/bf16, one dtype, int32 contiguous cu_seqlens of
+    batch+1 entries on q's device, last dims contiguous, (total, heads, head_dim) with head_dim a
+    multiple of 8 up to 256, query heads a multiple of K/V heads); its kernel's grid covers
+    max_seqlen rows per sequence only, so a smaller one is refused too. Computes each sequence's
+    causal attention with SDPA in fp32."""
+    assert q.dtype in (torch.float16, torch.bfloat16) and k.dtype == v.dtype == q.dtype
+    assert all(t.dim() == 3 and t.stride(-1) == 1 and t.device == q.device for t in (q, k, v))
+    for cu in (cu_seqlens_q, cu_seqlens_k):
+        assert cu.dtype == torch.int32 and cu.is_contiguous() and cu.dim() == 1 and cu.device == q.device
+    (total, heads, d), heads_k = q.shape, k.shape[1]
+    assert d % 8 == 0 and d <= 256 and heads % heads_k == 0 and k.shape == v.shape == (total, heads_k, d)
+    assert torch.equal(cu_seqlens_q, cu_seqlens_k) and int(cu_seqlens_q[-1]) == total
+    lengths = cu_seqlens_q.diff()
+    assert max_seqlen_q >= int(lengths.max()) and max_seqlen_k >= int(lengths.max())
+    assert causal and dropout_p == 0.0
+    out = torch.empty_like(q)
+    for s, e in zip(cu_seqlens_q[:-1].tolist(), cu_seqlens_q[1:].tolist()):
+        qs, ks, vs = (t[s:e].transpose(0, 1).float() for t in (q, k, v))
+        out[s:e] = torch.nn.functional.scaled_dot_product_attention(
+            qs, ks, vs, is_causal=True, scale=softmax_scale, enable_gqa=True).transpose(0, 1).to(q.dtype)
+    return out
+
+
+def test_flash_branch_hands_flash_attn_what_its_kernel_takes(monkeypatch):
+    """The CUDA branch of packed attention (flash-attn's varlen kernel), run on the CPU through
+    a fake that enforces the kernel's checks: a bf16 packed forward equals the per-sequence path
+    (the cu_seqlens the trainer builds are int64: the branch casts them)."""
+    seqs, pos, ctx, _ = packed_batch()
+    ids = torch.cat(seqs)[None]
+    model = build("qwen2", register()).to(torch.bfloat16)
+    with torch.no_grad():
+        reference = model(input_ids=ids, position_ids=pos[None], **packed_kwargs(ctx)).logits
+        calls = []
+        monkeypatch.setattr(attention, "flash_supported", lambda q: True)
+        monkeypatch.setattr(attention, "_flash_varlen", lambda: lambda *a, **kw: calls.append(1) or fake_flash_varlen(*a, **kw))
+        long_ctx = PackedContext(cu_seqlens=ctx.cu_seqlens.long(), max_seqlen=ctx.max_seqlen)
+        flashed = model(input_ids=ids, position_ids=pos[None], **packed_kwargs(long_ctx)).logits
+    assert len(calls) == 2  # one per layer
+    torch.testing.assert_close(flashed, reference, rtol=0, atol=0.05)
+    with pytest.raises(AssertionError):  # the fake refuses what the kernel refuses
+        q = torch.zeros(21, 4, 8, dtype=torch.bfloat16)
+        fake_flash_varlen(q, q[:, :2], q[:, :2], ctx.cu_seqlens.long(), ctx.cu_seqlens.long(), 9, 9, causal=True)

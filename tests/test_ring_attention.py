@@ -249,3 +249,42 @@ def test_block_kernels_agree():
     for name, got in results.items():
         for what, a, b in zip(("out", "lse", "dq", "dk", "dv"), got, ref):
             assert (a - b).abs().max().item() < 1e-10, (name, what)
+
+
+def fake_ring_flash(q, k, v, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None,
+                    causal=False, group=None):
+    """zigzag_ring_flash_attn_varlen_func of ring-flash-attn 0.1.8 on the CPU: refuses what it and
+    flash-attn's kernel refuse (fp16/bf16 (total, heads, head_dim) inputs, int32 contiguous
+    cu_seqlens on q's device; zigzag_ring_flash_attn_varlen.py halves cu_seqlens and max_seqlen,
+    so every local sequence and max_seqlen must be even, and max_seqlen cover the longest);
+    computes the ring with RL2's pure-torch path in fp32."""
+    assert q.dtype in (torch.float16, torch.bfloat16) and k.dtype == v.dtype == q.dtype
+    assert all(t.dim() == 3 and t.stride(-1) == 1 for t in (q, k, v))
+    assert cu_seqlens.dtype == torch.int32 and cu_seqlens.is_contiguous() and cu_seqlens.device == q.device
+    lengths = cu_seqlens.diff()
+    assert bool((lengths % 2 == 0).all()) and max_seqlen % 2 == 0 and max_seqlen >= int(lengths.max())
+    assert causal and dropout_p == 0.0 and group is not None
+    return ring_attention(q.float(), k.float(), v.float(), cu_seqlens.tolist(), max_seqlen, group,
+                          scale=softmax_scale, use_flash=False).to(q.dtype)
+
+
+def _ring_flash_worker(rank, world_size):
+    """The CUDA branch (ring-flash-attn) through the fake, on bf16 shards."""
+    from RL2.parallel import attention, ring_attention as ra
+
+    attention.flash_supported = lambda q: True
+    calls = []
+    ra._ring_flash_varlen = lambda: lambda *a, **kw: calls.append(1) or fake_ring_flash(*a, **kw)
+    lp = padded(LENGTHS, world_size)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(sum(lp), h, DIM, generator=g) for h in (HQ, HKV, HKV))
+    reference = zigzag(reference_attention(q, k, v, lp), lp, world_size, rank)
+    local = [zigzag(x, lp, world_size, rank).bfloat16() for x in (q, k, v)]
+    cu = local_cu_seqlens(lp, world_size).long()  # as a list or int64: the branch casts
+    out = ring_attention(*local, cu, max(lp) // world_size, dist.group.WORLD)
+    return len(calls), out.dtype, (out.float() - reference).abs().max().item()
+
+
+def test_ring_flash_branch_hands_ring_flash_attn_what_it_takes():
+    for calls, dtype, err in run_dist(_ring_flash_worker, 2):
+        assert calls == 1 and dtype == torch.bfloat16 and err < 0.03, (calls, dtype, err)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+
 import torch
 import torch.distributed as dist
 

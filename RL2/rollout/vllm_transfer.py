@@ -155,8 +155,6 @@ class NcclSender:
     caller makes meanwhile (its failure ends the wait for the run; the daemon thread stays)."""
 
     def __init__(self, n_workers: int = 1, timeout_s: float = 300.0, host: str = "127.0.0.1"):
-        import socket
-
         with socket.socket() as s:
             s.bind((host, 0))
             self.port = s.getsockname()[1]

@@ -37,7 +37,7 @@ def test_cuda_groups_get_tensor_parallel_engines_on_their_own_gpus(monkeypatch):
     assert engine_kwargs("vllm", cfg)["tp_size"] == 2
     # a `vllm serve` process has its own placement
     assert "tp_size" not in engine_kwargs("vllm", rollout_cfg("actor.rollout.tp_size=2",
-                                                             "actor.rollout.vllm.server_url=http://h:1"), 0)
+                                                             "actor.rollout.vllm.server_url=http://h:1"))
 
 
 def test_cpu_groups_share_one_single_worker_engine():

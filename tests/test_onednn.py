@@ -145,6 +145,21 @@ def test_engine_matches_aten_engine_and_sees_weight_updates(counted):
     assert [o.token_ids for o in generate(fast, prompts)] == [o.token_ids for o in generate(aten, prompts)]
 
 
+def test_auto_takes_onednn_for_training_only_on_amd(monkeypatch, tmp_path):
+    # the vendor comes from /proc/cpuinfo's vendor_id line
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nvendor_id\t: AuthenticAMD\nmodel name\t: AMD EPYC\n")
+    real_open = open
+    monkeypatch.setattr("builtins.open", lambda f, *a, **k: real_open(cpuinfo if f == "/proc/cpuinfo" else f, *a, **k))
+    assert onednn.cpu_vendor() == "AuthenticAMD"
+    assert onednn.resolve("auto") == "onednn" and onednn.resolve("auto", training=False) == "onednn"
+    cpuinfo.write_text("vendor_id\t: GenuineIntel\n")
+    assert onednn.resolve("auto") == "aten" and onednn.resolve("auto", training=False) == "onednn"
+    cpuinfo.unlink()  # no /proc/cpuinfo (another OS): PyTorch's default for training
+    assert onednn.cpu_vendor() == "" and onednn.resolve("auto") == "aten"
+    assert onednn.resolve("onednn") == "onednn" and onednn.resolve("aten", training=False) == "aten"
+
+
 def test_bad_choice_is_refused_by_name():
     with pytest.raises(ValueError, match="cpu_matmul='mkl'"):
         TorchEngine(model(), None, cpu_matmul="mkl")
@@ -153,12 +168,17 @@ def test_bad_choice_is_refused_by_name():
 @pytest.mark.slow
 def test_sft_with_onednn_matches_aten(assets, tmp_path):
     runs = {}
-    for choice in ("aten", "onednn"):
+    for choice in ("aten", "onednn", "auto"):
         runs[choice] = tmp_path / choice
         proc = run_trainer("sft", 1, sft_args(assets, "actor.dtype=float32", f"actor.cpu_matmul={choice}"),
                            runs[choice])
-        # the worker says it switched (15 layers: 7 per decoder layer + lm_head), only when asked
-        assert ("cpu_matmul=onednn: 15 linear layers" in proc.stderr) == (choice == "onednn")
+        # the worker says it switched (15 layers: 7 per decoder layer + lm_head), only when asked;
+        # auto says what it chose for this machine's CPU
+        chosen = onednn.resolve(choice)
+        assert ("cpu_matmul=onednn: 15 linear layers" in proc.stderr) == (chosen == "onednn")
+        assert (f"cpu_matmul=auto: {chosen} (CPU vendor" in proc.stderr) == (choice == "auto")
+    assert_close(train_rows(runs["auto"], "train/loss"), train_rows(runs[onednn.resolve("auto")], "train/loss"),
+                 0, "train/loss")
     for key in ("train/loss", "train/grad_norm"):
         assert_close(train_rows(runs["onednn"], key), train_rows(runs["aten"], key), 1e-5, key)
     proc = run_trainer("sft", 1, sft_args(assets, "actor.cpu_matmul=mkl"), tmp_path / "bad", check=False)

@@ -66,7 +66,8 @@ class TorchEngine(Engine):
         that extend them (0 disables). `own_forward`: Llama-family models run through
         `llama_forward.py` over the engine's KV buffers (False: every model uses the HF forward
         without a cache, as other architectures always do; for tests). `cpu_matmul`: "onednn"
-        (linear layers on oneDNN-packed weights on the CPU, RL2/utils/onednn.py) or "aten".
+        (linear layers on oneDNN-packed weights on the CPU, RL2/utils/onednn.py), "aten", or
+        "auto" (oneDNN: faster at decode shapes on AMD and Intel alike).
         `cuda_graph`: on CUDA, decode steps of Llama-family models replay CUDA graphs
         (RL2/rollout/cuda_graph.py; written, not run on a GPU). `compile_decode`: on the CPU,
         decode steps of Llama-family models run one torch.compile'd graph
@@ -85,7 +86,8 @@ class TorchEngine(Engine):
         if isinstance(tokenizer, str):
             tokenizer = AutoTokenizer.from_pretrained(tokenizer)
         self.tokenizer = tokenizer
-        use_onednn = check_choice(cpu_matmul, "cpu_matmul", onednn.CHOICES) == "onednn"
+        use_onednn = onednn.resolve(check_choice(cpu_matmul, "cpu_matmul", onednn.CHOICES),
+                                    training=False) == "onednn"
         self.runner = make_runner(self.model, self.device, own_forward, onednn=use_onednn,
                                   cuda_graph=cuda_graph, compile_decode=compile_decode)
         self.own_forward = self.runner.caches_prefixes

@@ -9,7 +9,9 @@ rounded differently from MKL's.
 
 - `use_for_linears(model)`: every `nn.Linear` of a training model computes forward and backward
   with oneDNN (`OneDNNLinear`); DTensor (tensor-parallel) weights, non-CPU tensors and dtypes
-  oneDNN lacks (float64) keep `F.linear`.
+  oneDNN lacks (float64) keep `F.linear`. Only where it pays (`resolve("auto")`): on Intel
+  CPUs MKL runs its AVX-512 kernels and was faster than oneDNN for training shapes
+  (benchmarks/README.md, fix 19).
 - `PackedLinears`: inference only (the torch rollout engine): weights reordered once into
   oneDNN's blocked layout and reused every decode step; a decode step at 16 rows multiplies
   ~2.8x faster than through MKL, which re-packs every weight on every call.
@@ -22,7 +24,30 @@ import torch
 import torch.nn.functional as F
 
 _DTYPES = (torch.float32, torch.bfloat16)
-CHOICES = ("onednn", "aten")
+CHOICES = ("auto", "onednn", "aten")
+
+
+def cpu_vendor() -> str:
+    """The x86 vendor string of this machine's CPU ("AuthenticAMD", "GenuineIntel"), else ""."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+def resolve(choice: str, training: bool = True) -> str:
+    """"auto" -> "onednn" or "aten". Training linears (forward, input and weight gradients at
+    hundreds of rows): oneDNN only on AMD, where MKL's sgemm takes its AVX2 path (oneDNN 1.5x
+    faster steps there); on an Intel Xeon MKL was 1.2-1.9x faster than oneDNN on the same
+    products, the weight gradient most. Inference (the engine's decode, a few rows against
+    weights packed once): oneDNN on both (1.15x on the Intel Xeon, ~2.8x on AMD)."""
+    if choice != "auto":
+        return choice
+    return "onednn" if not training or cpu_vendor() == "AuthenticAMD" else "aten"
 
 
 def available() -> bool:

@@ -32,11 +32,9 @@ def init_distributed(device: str = "auto") -> str:
         os.environ.setdefault("RANK", "0")
         os.environ.setdefault("WORLD_SIZE", "1")
         if "MASTER_PORT" not in os.environ:
-            from socket import socket
+            from RL2.utils.process import free_port
 
-            with socket() as s:
-                s.bind(("127.0.0.1", 0))
-                os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+            os.environ["MASTER_PORT"] = str(free_port())
         if device == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         dist.init_process_group("nccl" if device == "cuda" else "gloo")

@@ -45,6 +45,7 @@ import torch.distributed as dist
 from RL2.rollout.engine import Engine, GenerationOutput, SamplingParams
 from RL2.rollout.vllm_transfer import cast_copies
 from RL2.rollout.weight_layout import make_buckets
+from RL2.utils.process import free_port
 from RL2.utils.seeding import derive_seed
 from RL2.workers.lora import AdapterVersions
 
@@ -71,12 +72,6 @@ def _accepts_seed() -> bool:
     return "sampling_seed" in param_names(SGLangSamplingParams)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def nccl_port(slot: int, slots: int, low: int = 22000, high: int = 29999) -> int:
     """A free port for an engine's torch.distributed rendezvous, drawn from its own slice of the
     range SGLang samples when none is given (srt/utils/network.py get_free_port_below_ephemeral:
@@ -91,7 +86,7 @@ def nccl_port(slot: int, slots: int, low: int = 22000, high: int = 29999) -> int
             except OSError:
                 continue
         return port
-    return _free_port()
+    return free_port()
 
 
 def _finish_reason(meta: dict) -> str:
@@ -234,7 +229,7 @@ class SGLangEngine(Engine):
         with torchrun_env_scrubbed():
             self.engine = sglang.Engine(
                 model_path=model_path, tp_size=tp_size, mem_fraction_static=mem_fraction_static,
-                base_gpu_id=base_gpu_id, port=port or _free_port(),
+                base_gpu_id=base_gpu_id, port=port or free_port(),
                 enable_memory_saver=enable_memory_saver, **server_args)
         self.loop = self.engine.loop
         self.released: set[str] = set()

@@ -1,10 +1,19 @@
 """Processes that stop with their parent: when torchrun's agent (or the trainer, for env workers)
 dies, its children must not run on, finish the job and write `final/` after the user stopped it.
 torch-elastic starts each worker in its own session, so killing the agent's process group does
-not reach them."""
+not reach them. Also: a free port for a process to listen on (`free_port`)."""
 import os
 import signal
+import socket
 import time
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port the OS reports free on `host` now (bound to port 0 and released: another process
+    may take it before the caller binds it, so callers that can retry do)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 def die_with_parent(sig: int = signal.SIGKILL) -> None:

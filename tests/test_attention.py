@@ -84,6 +84,22 @@ def test_packed_equals_separate_sequences(arch, ref_attn):
         torch.testing.assert_close(g, ref_grads[name], atol=1e-5, rtol=1e-5, msg=name)
 
 
+def test_per_sequence_attention_with_empty_sequences_equals_sliced_sdpa():
+    # empty sequences (repeated bounds) are skipped; gradients equal one SDPA per slice
+    torch.manual_seed(0)
+    bounds = [0, 5, 5, 14, 21, 21]
+    q, k, v = (torch.randn(1, h, 21, 8, dtype=torch.float64, requires_grad=True) for h in (4, 2, 2))
+    out = attention._causal_per_sequence(q, k, v, bounds, 0.3, 0.0)
+    w = torch.randn_like(out)
+    got = torch.autograd.grad((out * w).sum(), (q, k, v))
+    ref = torch.cat([torch.nn.functional.scaled_dot_product_attention(
+        q[:, :, s:e], k[:, :, s:e], v[:, :, s:e], is_causal=True, scale=0.3, enable_gqa=True)
+        for s, e in zip(bounds[:-1], bounds[1:]) if e > s], dim=2).transpose(1, 2)
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+    for g, r in zip(got, torch.autograd.grad((ref * w).sum(), (q, k, v))):
+        torch.testing.assert_close(g, r, rtol=1e-12, atol=1e-12)
+
+
 def test_no_token_by_token_mask_is_built():
     # the model's own mask step: HF would build a (1, 1, T, T) block mask for packed position_ids
     seqs, pos, ctx, _ = packed_batch()
@@ -114,10 +130,11 @@ def test_no_token_by_token_mask_is_built():
 def test_bad_context_is_rejected():
     model = build("llama", register())
     seqs, pos, _, _ = packed_batch()
-    bad = PackedContext(torch.tensor([0, 5, 14, 20], dtype=torch.int32), 9)  # row has 21 tokens
-    with pytest.raises(ValueError, match="cu_seqlens"):
-        model(input_ids=torch.cat(seqs)[None], position_ids=pos[None], use_cache=False,
-              **packed_kwargs(bad))
+    for bounds in ([0, 5, 14, 20], [1, 5, 14, 21]):  # the row has 21 tokens, from 0
+        bad = PackedContext(torch.tensor(bounds, dtype=torch.int32), 9)
+        with pytest.raises(ValueError, match="cu_seqlens"):
+            model(input_ids=torch.cat(seqs)[None], position_ids=pos[None], use_cache=False,
+                  **packed_kwargs(bad))
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])

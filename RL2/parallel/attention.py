@@ -140,8 +140,9 @@ def packed_attention_forward(
     if window is not None and ctx.max_seqlen * sp > window:
         raise NotImplementedError(
             f"sliding window {window} is shorter than a packed sequence ({ctx.max_seqlen * sp} tokens)")
-    if ctx.bounds[-1] != query.shape[2]:
-        raise ValueError(f"cu_seqlens end at {ctx.bounds[-1]} but the row has {query.shape[2]} tokens")
+    if ctx.bounds[0] != 0 or ctx.bounds[-1] != query.shape[2]:
+        raise ValueError(f"cu_seqlens span [{ctx.bounds[0]}, {ctx.bounds[-1]}) but the row has "
+                         f"{query.shape[2]} tokens from 0")
 
     if ctx.sp_group is not None:
         if dropout > 0:
@@ -231,14 +232,18 @@ def _flash_varlen():
 
 
 def _causal_per_sequence(query, key, value, bounds, scaling, dropout) -> torch.Tensor:
-    """Causal SDPA over each [start, end) slice of the row; exact, and no T x T mask."""
+    """Causal SDPA over each [start, end) slice of the row (bounds from 0 to T); exact, and no
+    T x T mask. The row is cut with one `split` per tensor, not a slice per sequence: backward
+    then joins the pieces' gradients once, where per-sequence slices each allocated and summed
+    a gradient of the whole row (n sequences: n x the row's size per layer; benchmarks/README.md,
+    fix 20)."""
     gqa = query.shape[1] != key.shape[1]
+    sizes = [e - s for s, e in zip(bounds[:-1], bounds[1:])]
+    pieces = zip(*(x.split(sizes, dim=2) for x in (query, key, value)))
     outs = [
-        F.scaled_dot_product_attention(
-            query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], is_causal=True, scale=scaling,
-            dropout_p=dropout, enable_gqa=gqa,
-        )
-        for s, e in zip(bounds[:-1], bounds[1:]) if e > s
+        F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, dropout_p=dropout,
+                                       enable_gqa=gqa)
+        for q, k, v in pieces if q.shape[2]
     ]
     return torch.cat(outs, dim=2).transpose(1, 2)
 

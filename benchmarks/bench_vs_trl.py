@@ -32,14 +32,19 @@ HERE = os.path.join(REPO, "benchmarks")
 WORKLOADS = ("sft", "dpo", "grpo")
 
 
-def layouts(threads: int) -> list[tuple[str, int, int, list[str]]]:
-    """(column, processes, threads per process, config keys) of RL2's runs; TRL uses one process
-    x threads. "2x1 ddp": the two ranks hold replicas (actor.ddp_size=2): one gradient all-reduce
-    per step instead of FSDP's parameter all-gathers and gradient reduce-scatters. "2x1 sp": both
-    ranks share every sequence (actor.sp_size=2, ring attention), so a step of few long sequences
-    (SFT's 600 + 250 + 100 + 50 + 20 tokens: 600 / 420 by whole sequences) splits evenly."""
-    return [(f"RL2 1x{threads}", 1, threads, []), ("RL2 2x1", 2, 1, []),
-            ("RL2 2x1 ddp", 2, 1, ["actor.ddp_size=2"]), ("RL2 2x1 sp", 2, 1, ["actor.sp_size=2"])]
+def layouts(threads: int) -> list[tuple[str, int, int, list[str], tuple]]:
+    """(column, processes, threads per process, config keys, workloads) of RL2's runs; TRL uses
+    one process x threads. "2x1 ddp": the two ranks hold replicas (actor.ddp_size=2): one
+    gradient all-reduce per step instead of FSDP's parameter all-gathers and gradient
+    reduce-scatters. "2x1 sp": both ranks share every sequence (actor.sp_size=2, ring attention),
+    so a step of few long sequences (SFT's 600 + 250 + 100 + 50 + 20 tokens: 600 / 420 by whole
+    sequences) splits evenly. "2x1 rg2" (GRPO only): one engine for both ranks
+    (actor.rollout.tp_size=2), whose leader decodes 16 rows with both ranks' threads instead of
+    two engines each streaming the whole model for 8 rows."""
+    return [(f"RL2 1x{threads}", 1, threads, [], WORKLOADS), ("RL2 2x1", 2, 1, [], WORKLOADS),
+            ("RL2 2x1 ddp", 2, 1, ["actor.ddp_size=2"], WORKLOADS),
+            ("RL2 2x1 sp", 2, 1, ["actor.sp_size=2"], WORKLOADS),
+            ("RL2 2x1 rg2", 2, 1, ["actor.rollout.tp_size=2"], ("grpo",))]
 
 
 def trl_available() -> bool:
@@ -179,8 +184,9 @@ def run(args) -> str:
             raw[workload] = {}
             if with_trl:
                 raw[workload]["TRL"] = run_trl(workload, root, args)
-            for name, nproc, threads, keys in layouts(args.threads):
-                raw[workload][name] = run_rl2(workload, root, nproc, threads, args, keys)
+            for name, nproc, threads, keys, workloads in layouts(args.threads):
+                if workload in workloads:
+                    raw[workload][name] = run_rl2(workload, root, nproc, threads, args, keys)
         elapsed = time.perf_counter() - start
     peak = {t: median(v) for t, v in peaks.items()}
     # A column's peak: the matmul rate of the cores it uses (2 x 1 = two one-thread processes).

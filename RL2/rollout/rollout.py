@@ -134,6 +134,11 @@ class Rollout:
         # NCCL's watchdog allows, and must not spin NCCL kernels beside SGLang: wait on gloo.
         self.cpu_group = dist.new_group(backend="gloo", timeout=ROLLOUT_TIMEOUT)
         self.kind = resolve_engine_kind(cfg.engine, device)
+        # CPU torch engine of a group of several ranks: the others wait (on gloo, not spinning)
+        # while the leader generates, so it decodes with their cores too (benchmarks/README.md,
+        # fix 21); 1 = the leader's own thread count
+        self.borrow_threads = (cfg.tp_size if self.kind == "torch" and device == "cpu"
+                               and not self.disaggregated else 1)
         self.engine = None
         self.peer = None  # SGLang: this rank's part in the weight updates of its group's engine
         self._weight_sync = None  # built on the first sync (a collective over the model's ranks)
@@ -242,7 +247,12 @@ class Rollout:
             async def run_all():
                 return await asyncio.gather(*self._trajectory_jobs(prompts, params_cfg, n, tag, mine))
 
-            local = list(zip(mine, self.loop.run_until_complete(run_all())))
+            own = torch.get_num_threads()
+            torch.set_num_threads(own * self.borrow_threads)
+            try:
+                local = list(zip(mine, self.loop.run_until_complete(run_all())))
+            finally:
+                torch.set_num_threads(own)
         by_job = {}
         for part in gather_objects(local, self.cpu_group):
             for job, traj in part or []:

@@ -272,8 +272,9 @@ import torch
 
 
 async def step(state, action, extra_info):
-    # the env's step runs on the rollout's loop, in the process of the engine that generated
-    return {"next_state": None, "reward": float(torch.get_num_threads()), "done": True}
+    # the env's step runs on the rollout's loop, in the process of the engine that generated;
+    # the length term gives the groups advantages, so step 2 samples from updated weights
+    return {"next_state": None, "reward": 100.0 * torch.get_num_threads() + len(action), "done": True}
 '''
 
 
@@ -281,18 +282,21 @@ async def step(state, action, extra_info):
 def test_cpu_rollout_group_leader_decodes_with_the_groups_threads(assets, tmp_path):
     # 2 ranks x 1 thread: with actor.rollout.tp_size=2 one torch engine serves both ranks and its
     # leader generates with both ranks' threads; the samples are those of one engine per rank
-    from tests.run_utils import run_trainer
+    from tests.run_utils import run_trainer, train_rows
 
     (tmp_path / "env.py").write_text(THREADS_ENV)
     args = [f"actor.model_name={assets['model']}", f"data.train.path={assets['data']}/ppo_train.jsonl",
             f"actor.rollout.env_path={tmp_path / 'env.py'}", "actor.rollout.prompts_per_rollout=4",
             "actor.rollout.responses_per_prompt=2", "actor.rollout.train_sampling_params.max_new_tokens=6",
-            "trainer.total_steps=1"]
+            "trainer.total_steps=2", "actor.lr=1e-2"]
     actions = {}
     for tp in (1, 2):
         run_trainer("ppo", 2, args + [f"actor.rollout.tp_size={tp}"], tmp_path / f"tp{tp}")
-        rows = [json.loads(line) for line in
-                (tmp_path / f"tp{tp}" / "run" / "rollouts" / "step1.jsonl").read_text().splitlines()]
-        assert len(rows) == 8 and {r["reward"] for r in rows} == {float(tp)}
-        actions[tp] = [[turn["action"] for turn in r["turns"]] for r in rows]
-    assert actions[1] == actions[2]
+        assert train_rows(tmp_path / f"tp{tp}", "actor/grad_norm")[0] > 0  # weights moved
+        for step in (1, 2):
+            rows = [json.loads(line) for line in (tmp_path / f"tp{tp}" / "run" / "rollouts" /
+                                                  f"step{step}.jsonl").read_text().splitlines()]
+            assert len(rows) == 8 and {r["reward"] // 100 for r in rows} == {tp}
+            actions[tp, step] = [[turn["action"] for turn in r["turns"]] for r in rows]
+    assert actions[1, 1] == actions[2, 1] and actions[1, 2] == actions[2, 2]
+    assert actions[1, 1] != actions[1, 2]

@@ -73,8 +73,12 @@ def apply_fsdp(model: nn.Module, dims: ParallelDims, param_dtype: torch.dtype,
         fully_shard(layer, reshard_after_forward=reshard_after_forward, **kw)
     fully_shard(model, reshard_after_forward=reshard_after_forward, **kw)
     for unit in fsdp_units(model):
-        # Plain SUM collectives with no scaling (gloo has no PREMUL_SUM).
-        unit.set_gradient_divide_factor(1.0)
+        # Plain SUM collectives with no scaling (gloo has no PREMUL_SUM). On a one-rank mesh
+        # there is nothing to sum and no factor is set: torch 2.13's FSDP2 would otherwise divide
+        # every gradient by 1.0 into a fresh copy (foreach_reduce's world-size-1 branch; ~5% of
+        # a one-process update step on the CPU, benchmarks/README.md fix 22)
+        if dims.ddp * dims.fsdp > 1:
+            unit.set_gradient_divide_factor(1.0)
         unit.set_force_sum_reduction_for_comms(True)
     if dims.device_type == "cpu" and cpu_comm == "shm" and dims.fsdp > 1:
         from RL2.parallel import host_comm

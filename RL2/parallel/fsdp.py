@@ -75,7 +75,7 @@ def apply_fsdp(model: nn.Module, dims: ParallelDims, param_dtype: torch.dtype,
     for unit in fsdp_units(model):
         # Plain SUM collectives with no scaling (gloo has no PREMUL_SUM). On a one-rank mesh
         # there is nothing to sum and no factor is set: torch 2.13's FSDP2 would otherwise divide
-        # every gradient by 1.0 into a fresh copy (foreach_reduce's world-size-1 branch; ~5% of
+        # every gradient by 1.0 into a fresh copy (foreach_reduce's world-size-1 branch; ~2% of
         # a one-process update step on the CPU, benchmarks/README.md fix 22)
         if dims.ddp * dims.fsdp > 1:
             unit.set_gradient_divide_factor(1.0)

@@ -21,6 +21,12 @@ for a in "$@"; do
 done
 main_args=("$@")
 [ "$paths" -eq 0 ] && main_args+=(--ignore=tests/vllm)
+# Test files run in parallel (pytest-xdist), RL2_TEST_WORKERS at a time (default: the cores, at
+# most 4; 0 or 1: one process). A file stays on one worker, so its module fixtures (servers,
+# reference runs) are made once. Most of a trainer launch is one core importing torch and
+# transformers, so a serial run left a 2-core machine ~40% idle.
+workers="${RL2_TEST_WORKERS:-$(python -c "import os; print(min(len(os.sched_getaffinity(0)), 4))")}"
+[ "$workers" -gt 1 ] && main_args+=(-n "$workers" --dist loadfile)
 set +e
 python -m pytest "${main_args[@]}"
 rc=$?

@@ -11,7 +11,7 @@ from RL2.rollout.rollout import Rollout, shape_overlong
 from RL2.rollout.trajectory import Trajectory
 from RL2.trainer.ppo import check_config
 from RL2.algorithms.ppo import compute_advantages, mini_batches
-from tests.run_utils import cfg_with
+from tests.run_utils import cfg_with, run_trainer, train_rows
 
 
 def t(*xs):
@@ -282,8 +282,6 @@ async def step(state, action, extra_info):
 def test_cpu_rollout_group_leader_decodes_with_the_groups_threads(assets, tmp_path):
     # 2 ranks x 1 thread: with actor.rollout.tp_size=2 one torch engine serves both ranks and its
     # leader generates with both ranks' threads; the samples are those of one engine per rank
-    from tests.run_utils import run_trainer, train_rows
-
     (tmp_path / "env.py").write_text(THREADS_ENV)
     args = [f"actor.model_name={assets['model']}", f"data.train.path={assets['data']}/ppo_train.jsonl",
             f"actor.rollout.env_path={tmp_path / 'env.py'}", "actor.rollout.prompts_per_rollout=4",
@@ -297,6 +295,7 @@ def test_cpu_rollout_group_leader_decodes_with_the_groups_threads(assets, tmp_pa
             rows = [json.loads(line) for line in (tmp_path / f"tp{tp}" / "run" / "rollouts" /
                                                   f"step{step}.jsonl").read_text().splitlines()]
             assert len(rows) == 8 and {r["reward"] // 100 for r in rows} == {tp}
+            # step 2 samples from the weights of update 1, synced to the engine (version 1)
+            assert {v for r in rows for turn in r["turns"] for v, _ in turn["versions"]} == {step - 1}
             actions[tp, step] = [[turn["action"] for turn in r["turns"]] for r in rows]
     assert actions[1, 1] == actions[2, 1] and actions[1, 2] == actions[2, 2]
-    assert actions[1, 1] != actions[1, 2]

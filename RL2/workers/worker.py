@@ -47,11 +47,10 @@ class Worker:
         self.cfg, self.device, self.value_head, self.train = cfg, device, value_head, train
         self.dims = ParallelDims(dist.get_world_size(), cfg.ddp_size, cfg.tp_size, cfg.sp_size, device)
         self.compute_dtype = resolve_dtype(cfg.dtype, device)
-        cpu_matmul = check_choice(cfg.get("cpu_matmul", "auto"), "cpu_matmul", onednn.CHOICES)
-        if cpu_matmul == "auto" and device == "cpu":
-            logger.info("cpu_matmul=auto: %s (CPU vendor %r)", onednn.resolve("auto"),
-                        onednn.cpu_vendor() or "unknown")
-        cpu_matmul = onednn.resolve(cpu_matmul)
+        choice = check_choice(cfg.get("cpu_matmul", "auto"), "cpu_matmul", onednn.CHOICES)
+        cpu_matmul = onednn.resolve(choice)
+        if choice == "auto" and device == "cpu":
+            logger.info("cpu_matmul=auto: %s (CPU vendor %r)", cpu_matmul, onednn.cpu_vendor() or "unknown")
         cpu_comm = check_choice(cfg.get("cpu_comm", "shm"), "cpu_comm", host_comm.CHOICES)
         self.reshard_after_forward = resolve_reshard(cfg.reshard_after_forward, device)
         # Master weights stay fp32 (fp64 when asked for, e.g. exactness tests).

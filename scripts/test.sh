@@ -25,8 +25,21 @@ main_args=("$@")
 # most 4; 0 or 1: one process). A file stays on one worker, so its module fixtures (servers,
 # reference runs) are made once. Most of a trainer launch is one core importing torch and
 # transformers, so a serial run left a 2-core machine ~40% idle.
-workers="${RL2_TEST_WORKERS:-$(python -c "import os; print(min(len(os.sched_getaffinity(0)), 4))")}"
+workers="${RL2_TEST_WORKERS:-$(python -c "import os; a = getattr(os, 'sched_getaffinity', None)
+print(min(len(a(0)) if a else os.cpu_count() or 1, 4))")}"
 [ "$workers" -gt 1 ] && main_args+=(-n "$workers" --dist loadfile)
+want_vllm=0
+[ "${RL2_SKIP_VLLM:-0}" != 1 ] && [ "$paths" -eq 0 ] && want_vllm=1
+if [ "$want_vllm" -eq 1 ]; then
+    # vLLM's venv is built beside the main suite (mostly downloads and unpacking: ~3 minutes
+    # the first time); its log is shown if the build fails. Its tests then run one file at a
+    # time: tests/vllm/vllm_utils.py removes a killed server's orphaned /dev/shm semaphores,
+    # which would race with another file's server start-up.
+    vllm_log="$(mktemp)"
+    bash scripts/setup_vllm_env.sh > "$vllm_log" 2>&1 &
+    vllm_setup=$!
+    trap '[ -n "$vllm_setup" ] && { pkill -P "$vllm_setup"; kill "$vllm_setup"; } 2>/dev/null' EXIT  # an interrupted run stops the build
+fi
 set +e
 python -m pytest "${main_args[@]}"
 rc=$?
@@ -35,9 +48,11 @@ if [ "$rc" -eq 5 ]; then
     echo "pytest collected no tests: failing" >&2
     rc=1
 fi
-if [ "${RL2_SKIP_VLLM:-0}" != 1 ] && [ "$paths" -eq 0 ]; then
+if [ "$want_vllm" -eq 1 ]; then
     vrc=0
-    bash scripts/setup_vllm_env.sh || { echo "vLLM environment setup failed" >&2; vrc=1; }
+    wait "$vllm_setup" || { cat "$vllm_log" >&2; echo "vLLM environment setup failed" >&2; vrc=1; }
+    vllm_setup=""
+    rm -f "$vllm_log"
     if [ "$vrc" -eq 0 ]; then
         set +e
         RL2_REQUIRE_VLLM=1 .venv-vllm/bin/python -m pytest tests/vllm "$@"

@@ -28,18 +28,6 @@ main_args=("$@")
 workers="${RL2_TEST_WORKERS:-$(python -c "import os; a = getattr(os, 'sched_getaffinity', None)
 print(min(len(a(0)) if a else os.cpu_count() or 1, 4))")}"
 [ "$workers" -gt 1 ] && main_args+=(-n "$workers" --dist loadfile)
-want_vllm=0
-[ "${RL2_SKIP_VLLM:-0}" != 1 ] && [ "$paths" -eq 0 ] && want_vllm=1
-if [ "$want_vllm" -eq 1 ]; then
-    # vLLM's venv is built beside the main suite (mostly downloads and unpacking: ~3 minutes
-    # the first time); its log is shown if the build fails. Its tests then run one file at a
-    # time: tests/vllm/vllm_utils.py removes a killed server's orphaned /dev/shm semaphores,
-    # which would race with another file's server start-up.
-    vllm_log="$(mktemp)"
-    bash scripts/setup_vllm_env.sh > "$vllm_log" 2>&1 &
-    vllm_setup=$!
-    trap '[ -n "$vllm_setup" ] && { pkill -P "$vllm_setup"; kill "$vllm_setup"; } 2>/dev/null' EXIT  # an interrupted run stops the build
-fi
 set +e
 python -m pytest "${main_args[@]}"
 rc=$?
@@ -48,11 +36,13 @@ if [ "$rc" -eq 5 ]; then
     echo "pytest collected no tests: failing" >&2
     rc=1
 fi
-if [ "$want_vllm" -eq 1 ]; then
+# vLLM's venv is built after the main suite, not beside it: both are CPU time (on machine C the
+# main suite ran 5 minutes longer with the build beside it). The vLLM test files run one at a
+# time: tests/vllm/vllm_utils.py removes a killed server's orphaned /dev/shm semaphores, which
+# raced with another file's server start-up when two ran at once.
+if [ "${RL2_SKIP_VLLM:-0}" != 1 ] && [ "$paths" -eq 0 ]; then
     vrc=0
-    wait "$vllm_setup" || { cat "$vllm_log" >&2; echo "vLLM environment setup failed" >&2; vrc=1; }
-    vllm_setup=""
-    rm -f "$vllm_log"
+    bash scripts/setup_vllm_env.sh || { echo "vLLM environment setup failed" >&2; vrc=1; }
     if [ "$vrc" -eq 0 ]; then
         set +e
         RL2_REQUIRE_VLLM=1 .venv-vllm/bin/python -m pytest tests/vllm "$@"

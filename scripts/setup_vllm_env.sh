@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 VENV="${1:-.venv-vllm}"
 export PIP_ROOT_USER_ACTION=ignore PIP_DISABLE_PIP_VERSION_CHECK=1
 MARK="$VENV/.rl2-vllm-ready"
-if [ -f "$MARK" ] && "$VENV/bin/python" -c "import vllm, RL2, peft" 2>/dev/null; then
+if [ -f "$MARK" ] && "$VENV/bin/python" -c "import vllm, RL2, peft, xdist" 2>/dev/null; then
     "$VENV/bin/python" -m pip install -q --no-deps -e .   # refresh RL2's entry points
     exit 0
 fi
@@ -29,6 +29,6 @@ $PIP install -q --no-deps -e .
 TRANSFORMERS=$("$VENV/bin/python" -c "import transformers; print(transformers.__version__)")
 printf 'torch==2.13.0\ntransformers==%s\n' "$TRANSFORMERS" > "$VENV/constraints.txt"
 $PIP install -q -c "$VENV/constraints.txt" datasets hydra-core omegaconf safetensors tokenizers \
-    tqdm numpy wandb tensorboard "pytest>=8" hypothesis peft
+    tqdm numpy wandb tensorboard "pytest>=8" "pytest-xdist>=3.5" hypothesis peft
 "$VENV/bin/python" -c "import vllm, RL2.rollout.vllm_engine"
 touch "$MARK"

@@ -37,15 +37,15 @@ if [ "$rc" -eq 5 ]; then
     rc=1
 fi
 # vLLM's venv is built after the main suite, not beside it: both are CPU time (on machine C the
-# main suite ran 5 minutes longer with the build beside it). The vLLM test files run one at a
-# time: tests/vllm/vllm_utils.py removes a killed server's orphaned /dev/shm semaphores, which
-# raced with another file's server start-up when two ran at once.
+# main suite ran 5 minutes longer with the build beside it). Its test files run in parallel as
+# well (each starts one vLLM server for its module).
 if [ "${RL2_SKIP_VLLM:-0}" != 1 ] && [ "$paths" -eq 0 ]; then
     vrc=0
     bash scripts/setup_vllm_env.sh || { echo "vLLM environment setup failed" >&2; vrc=1; }
     if [ "$vrc" -eq 0 ]; then
         set +e
-        RL2_REQUIRE_VLLM=1 .venv-vllm/bin/python -m pytest tests/vllm "$@"
+        vllm_args=("$@"); [ "$workers" -gt 1 ] && vllm_args+=(-n "$workers" --dist loadfile)
+        RL2_REQUIRE_VLLM=1 .venv-vllm/bin/python -m pytest tests/vllm "${vllm_args[@]}"
         vrc=$?
         set -e
         if [ "$vrc" -eq 5 ]; then  # fine only when the options deselected every vLLM test

@@ -55,3 +55,37 @@ def test_killing_the_torchrun_group_leaves_no_worker(assets, tmp_path):
     finally:
         for pid in pids_with(f"trainer.save_dir={tmp_path}"):
             os.kill(pid, signal.SIGKILL)
+
+
+def test_vllm_shm_cleanup_keeps_files_a_live_process_maps(tmp_path):
+    """tests/vllm/vllm_utils.py removes a stopped server's orphaned /dev/shm files while other
+    test files' servers may be running: a semaphore or queue that a live process maps must stay.
+    A multiprocessing semaphore is the hard case: glibc's sem_open maps a temporary file and
+    links it to the name afterwards, so /proc/PID/maps never shows the name."""
+    import multiprocessing as mp
+    from multiprocessing import shared_memory
+
+    from tests.vllm.vllm_utils import SHM, _remove_orphans, _shm_files
+
+    if not os.path.isdir(SHM):
+        pytest.skip("no /dev/shm here")
+    before = _shm_files()
+    lock = mp.get_context("spawn").Lock()  # sem.mp-*, mapped under a temporary name
+    sem = "sem" + lock._semlock.name.replace("/", ".")
+    queue = shared_memory.SharedMemory(name=f"psm_rl2test{os.getpid()}", create=True, size=4096)
+    orphan = f"sem.mp-rl2orphan{os.getpid()}"
+    with open(os.path.join(SHM, orphan), "wb") as f:  # made and left, as by a SIGKILLed server
+        f.write(b"\0" * 32)
+    try:
+        assert {sem, queue.name, orphan} <= _shm_files() - before
+        _remove_orphans(before)
+        left = _shm_files()
+        assert sem in left and queue.name in left, "a live process's file was removed"
+        assert orphan not in left
+        with lock:  # still usable
+            pass
+    finally:
+        queue.close()
+        queue.unlink()
+        if os.path.exists(os.path.join(SHM, orphan)):
+            os.unlink(os.path.join(SHM, orphan))

@@ -83,21 +83,38 @@ def _shm_files() -> set[str]:
 def _remove_orphans(before: set[str]) -> None:
     """/dev/shm files of a killed server: vLLM's shared-memory queues (psm_*) and a semaphore
     (sem.mp-*) made since it started that no live process maps (a SIGKILLed server, as in the
-    crash test, never unlinks them)."""
-    new = {n for n in _shm_files() - before if n.startswith(("psm_", "sem.mp-"))}
-    if not new:
+    crash test, never unlinks them). A file counts as mapped by its (device, inode) in any
+    /proc/PID/maps, not by its name: glibc's sem_open maps a temporary file and then links it to
+    the semaphore's name, so maps shows "/dev/shm/sem.XXXXXX (deleted)"; by name, a semaphore of
+    another server still running (test files run in parallel) looked orphaned and was removed."""
+    ids = {}
+    for n in _shm_files() - before:
+        if n.startswith(("psm_", "sem.mp-")):
+            try:
+                st = os.stat(os.path.join(SHM, n))
+            except OSError:
+                continue
+            ids[(os.major(st.st_dev), os.minor(st.st_dev), st.st_ino)] = n
+    if not ids:
         return
     mapped = set()
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             with open(f"/proc/{pid}/maps") as f:
-                maps = f.read()
-            mapped.update(n for n in new if f"{SHM}/{n}" in maps)
+                lines = f.read().splitlines()
         except OSError:  # gone meanwhile, or not ours to read
-            pass
-    for n in new - mapped:
+            continue
+        for line in lines:
+            fields = line.split(maxsplit=5)  # address perms offset dev inode [path]
+            if len(fields) < 5 or fields[4] == "0":
+                continue
+            major, minor = fields[3].split(":")
+            key = (int(major, 16), int(minor, 16), int(fields[4]))
+            if key in ids:
+                mapped.add(key)
+    for key in ids.keys() - mapped:
         try:
-            os.unlink(os.path.join(SHM, n))
+            os.unlink(os.path.join(SHM, ids[key]))
         except OSError:
             pass
 

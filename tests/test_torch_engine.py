@@ -145,7 +145,9 @@ def test_batch_kv_matches_naive_reference():
     rng = random.Random(0)
     kv, ref, mask = BatchKV(), None, None   # ref: [B, 1, W, 1] naive cache, mask [B, W]
     most_rows = most_cols = 0
-    for step in range(400):
+    moves, move = [], kv._move  # the window moved within its buffers (not reallocated)
+    kv._move = lambda left: (moves.append(left), move(left))
+    for step in range(800):
         op = rng.random()
         if ref is None or op < 0.2:
             r, w = rng.randint(1, 3), rng.randint(1, 12)
@@ -170,7 +172,10 @@ def test_batch_kv_matches_naive_reference():
             ref, mask = torch.cat([ref, col], 2), torch.cat([mask, torch.ones(ref.shape[0], 1, dtype=torch.long)], 1)
             assert torch.equal(keys * mask[:, None, :, None], ref * mask[:, None, :, None])
         else:
-            keep = sorted(rng.sample(range(ref.shape[0]), rng.randint(0, ref.shape[0])))
+            # in the second half a row always stays: the window then drifts right with the
+            # decode steps (an empty batch recentres it) and must move or grow
+            least = min(int(step >= 200), ref.shape[0])
+            keep = sorted(rng.sample(range(ref.shape[0]), rng.randint(least, ref.shape[0])))
             order = kv.compact(keep)
             assert sorted(order) == keep
             if not order:
@@ -190,6 +195,7 @@ def test_batch_kv_matches_naive_reference():
         most_rows, most_cols = max(most_rows, kv.rows), max(most_cols, kv.end - kv.start + 8)
         assert kv.k[0].shape[0] <= 2 * most_rows, (step, kv.k[0].shape, most_rows)
         assert kv.k[0].shape[2] <= 4 * most_cols + 16, (step, kv.k[0].shape, most_cols)
+    assert len(moves) >= 3 and kv.reallocs >= 3, (len(moves), kv.reallocs)  # both paths ran
 
 
 @pytest.mark.parametrize("params", [

@@ -58,12 +58,18 @@ class BatchKV:
         width = self.end - self.start
         if self.rows + r > row_cap or self.end - w < 0 or self.end + room > len_cap:
             need_left = max(width, w)  # columns up to `end` (the new rows are right-aligned there)
-            len_cap = max(len_cap, need_left + room + 16)
-            # spare columns: a quarter on the left for later, longer prompts; the rest on the right
-            left = need_left - width + (len_cap - need_left - room) // 4
-            # rows grow by doubling, and only when they are what ran out
             rows = row_cap if self.rows + r <= row_cap else max(self.rows + r, 2 * row_cap)
-            self._realloc(rows, len_cap, left)
+            if rows == row_cap and need_left + room + 16 <= len_cap - len_cap // 4:
+                # only the window's place ran out (decode steps move `end` right): move it
+                # within the buffers, a copy of the live window instead of new zeroed buffers
+                self._move(need_left - width + (len_cap - need_left - room) // 4)
+            else:
+                # rows double, columns grow by half (never by a few: a multi-turn rollout's
+                # contexts grow every turn), each only when it is what ran out
+                if need_left + room + 16 > len_cap:
+                    len_cap = max(need_left + room + 16, len_cap + len_cap // 2)
+                # spare columns: a quarter on the left for later, longer prompts; the rest on the right
+                self._realloc(rows, len_cap, need_left - width + (len_cap - need_left - room) // 4)
         for bufs, new in ((self.k, keys), (self.v, values)):
             for buf, x in zip(bufs, new):
                 buf[self.rows:self.rows + r, :, self.end - w:self.end] = x
@@ -73,10 +79,22 @@ class BatchKV:
 
     def reserve(self, q: int) -> None:
         """Make room for q more columns before a forward pass."""
-        if self.end + q > self.k[0].shape[2]:
+        len_cap = self.k[0].shape[2]
+        if self.end + q > len_cap:
             width = self.end - self.start
+            if 2 * (width + q) + 16 <= len_cap:  # half the buffer is free: move the window
+                self._move((len_cap - width - q) // 4)
+                return
             len_cap = 2 * (width + q) + 16
             self._realloc(self.k[0].shape[0], len_cap, (len_cap - width - q) // 4)
+
+    def _move(self, left: int) -> None:
+        """Move the live window to start at column `left` of the same buffers. Columns it leaves
+        keep old (finite) values, which the masks hide, as they hide an evicted row's."""
+        width = self.end - self.start
+        for buf in self.k + self.v:
+            buf[:self.rows, :, left:left + width] = buf[:self.rows, :, self.start:self.end].clone()
+        self.start, self.end = left, left + width
 
     def write(self, li: int, k: torch.Tensor, v: torch.Tensor):
         """Write one decode column ([rows, heads, dim]) of layer `li` at `end`; return the live

@@ -72,12 +72,14 @@ def test_greedy_matches_hf_generate_concurrent_and_staggered(model, monkeypatch)
     merges = []
     orig_join = engine._join
     monkeypatch.setattr(engine, "_join", lambda *a: (merges.append(bool(engine._rows)), orig_join(*a)))
+    mixed = _count_mixed(monkeypatch)
     prompts = random_prompts(12)
     lengths = [5 + 3 * (i % 5) for i in range(12)]
     jobs = [(p, SamplingParams(temperature=0, max_new_tokens=k)) for p, k in zip(prompts, lengths)]
     together = asyncio.run(staggered(engine, jobs, gap=0))
     apart = asyncio.run(staggered(engine, jobs, gap=4))
     assert any(merges), "no request joined a running batch"
+    assert any(rows for rows, _ in mixed), "no prompt was prefilled in a decode step's pass"
     for (prompt, params), a, b in zip(jobs, together, apart):
         ref = hf_greedy(model, prompt, params.max_new_tokens)
         assert a[0].token_ids == ref and b[0].token_ids == ref
@@ -108,9 +110,23 @@ def test_identical_prompts_of_separate_requests_are_prefilled_once():
     assert len({tuple(o[0].token_ids) for o in outs[3:6]}) > 1  # the samples' own seeds
 
 
+def _count_mixed(monkeypatch) -> list:
+    """Record (decode rows, prompts with a cached prefix) of every llama_forward.mixed pass."""
+    import RL2.rollout.llama_forward as llama_forward
+
+    calls, mixed = [], llama_forward.mixed
+
+    def counted(model, tokens, kv, suffixes, prefixes, *a, **kw):
+        calls.append((0 if tokens is None else len(tokens), sum(p is not None for p in prefixes)))
+        return mixed(model, tokens, kv, suffixes, prefixes, *a, **kw)
+    monkeypatch.setattr(llama_forward, "mixed", counted)
+    return calls
+
+
 @pytest.mark.parametrize("cache_mb", [512, 0.03, 0])  # roomy, a few entries (LRU), disabled
-def test_multi_turn_prefix_reuse_matches_hf_and_is_dropped_on_update(cache_mb):
+def test_multi_turn_prefix_reuse_matches_hf_and_is_dropped_on_update(cache_mb, monkeypatch):
     m1, m2 = tiny_model(seed=0), tiny_model(seed=1)
+    mixed = _count_mixed(monkeypatch)
     engine = TorchEngine(tiny_model(seed=0), None, prefix_cache_mb=cache_mb)
     greedy, obs = SamplingParams(temperature=0, max_new_tokens=8), [7, 8, 9]
 
@@ -127,6 +143,8 @@ def test_multi_turn_prefix_reuse_matches_hf_and_is_dropped_on_update(cache_mb):
         for _ in range(3):
             prompt = prompt + hf_greedy(m1, prompt, 8, eos=None) + obs
         assert prompt == context
+    if cache_mb:  # a later turn's prompt ran over its cached prefix in another row's decode pass
+        assert any(rows and hits for rows, hits in mixed), mixed
     # The stored KV belongs to m1: after the update a continuation must not reuse it.
     engine.update_weights(m2.state_dict().items())
     before = engine.stats["cached_prompt_tokens"]

@@ -119,35 +119,69 @@ def prefill(model, suffixes: list[list[int]], prefixes: list, device, linear=_li
     layer [P, kv_heads, W, head_dim] holding each prompt's whole KV (prefix + suffix, lens[i]
     tokens) right-aligned, ready for `BatchKV.add`.
     """
+    return mixed(model, None, None, suffixes, prefixes, device, linear)[1:]
+
+
+@torch.inference_mode()
+def mixed(model, tokens: torch.Tensor | None, kv, suffixes: list[list[int]], prefixes: list, device,
+          linear=_linear):
+    """A decode step of the rows of `kv` (as `decode`: tokens [B], a free column at `kv.end`, the
+    caller advances) and the prefill of P prompts (as `prefill`) in ONE forward pass: the
+    linear layers read their weights once for both. On the CPU a decode step's few rows are
+    bound by that read, so a prompt's tokens ride along almost free instead of costing a pass
+    of their own (multi-turn rollouts admit a turn or two at a time while others decode).
+    Returns (decode logits [B, vocab], then `prefill`'s four results)."""
     body = model.model
+    b = 0 if tokens is None else tokens.shape[0]
     n_prefix = [p[0][0].shape[1] if p else 0 for p in prefixes]
     lens = [h + len(s) for h, s in zip(n_prefix, suffixes)]
-    width = max(lens)
     ids = torch.tensor([t for s in suffixes for t in s], device=device)
     positions = torch.cat([torch.arange(h, n, device=device) for h, n in zip(n_prefix, lens)])
-    x = body.embed_tokens(ids)                                   # [N, hidden], no padding
-    cos, sin = body.rotary_emb(x[None], positions[None])         # [1, N, D]
-    cos, sin = cos[0, :, None], sin[0, :, None]                  # [N, 1, D]
+    if b:
+        ids, positions = torch.cat([tokens, ids]), torch.cat([kv.lens, positions])
+        bias = kv.bias(dtype=body.embed_tokens.weight.dtype)
+    x = body.embed_tokens(ids)                                   # [B + N, hidden], no padding
+    cos, sin = body.rotary_emb(x[None], positions[None])         # [1, B + N, D]
+    cos, sin = cos[0, :, None], sin[0, :, None]                  # [B + N, 1, D]
     keys, values = [], []
     for li, layer in enumerate(body.layers):
         q, k, v = _qkv(layer, x, cos, sin, linear)
-        kbuf = k.new_zeros(len(suffixes), k.shape[1], width, k.shape[2])
-        vbuf = torch.zeros_like(kbuf)
-        outs, offset = [], 0
-        for i, (h, n) in enumerate(zip(n_prefix, lens)):
-            s = n - h
-            if h:
-                kbuf[i, :, width - n:width - s], vbuf[i, :, width - n:width - s] = prefixes[i][li]
-            kbuf[i, :, width - s:] = k[offset:offset + s].transpose(0, 1)
-            vbuf[i, :, width - s:] = v[offset:offset + s].transpose(0, 1)
-            outs.append(_attend_prompt(layer.self_attn, q[offset:offset + s], kbuf[i, :, width - n:],
-                                       vbuf[i, :, width - n:], h))
-            offset += s
+        out, kbuf, vbuf = _attend_prompts(layer.self_attn, q[b:], k[b:], v[b:], n_prefix, lens,
+                                          [p[li] if p else None for p in prefixes])
+        if b:
+            step_k, step_v = kv.write(li, k[:b], v[:b])
+            qg = q[:b].view(b, step_k.shape[1], -1, q.shape[-1])
+            out = torch.cat([_attend_step(qg, step_k, step_v, bias, layer.self_attn.scaling)
+                             .reshape(b, -1), out])
         keys.append(kbuf)
         values.append(vbuf)
-        x = _finish_layer(layer, x, torch.cat(outs), linear)
-    last = torch.tensor(lens, device=device).sub(torch.tensor(n_prefix, device=device)).cumsum(0) - 1
-    return _logits(model, x.index_select(0, last), linear), keys, values, torch.tensor(lens, device=device)
+        x = _finish_layer(layer, x, out, linear)
+    new = torch.tensor([len(s) for s in suffixes], device=device)
+    rows = torch.cat([torch.arange(b, device=device), b + new.cumsum(0) - 1])
+    logits = _logits(model, x.index_select(0, rows), linear)
+    return logits[:b], logits[b:], keys, values, torch.tensor(lens, device=device)
+
+
+def _attend_prompts(attn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_prefix: list[int],
+                    lens: list[int], prefixes: list):
+    """One layer's attention of P prompts' new tokens (q/k/v [N, heads, D], packed) over their
+    cached prefix (prefixes[i]: (keys, values) [kv_heads, n_prefix[i], D] or None) and
+    themselves. Returns (out [N, heads * D], keys, values [P, kv_heads, max(lens), D] with each
+    prompt's lens[i] tokens right-aligned)."""
+    width = max(lens)
+    kbuf = k.new_zeros(len(lens), k.shape[1], width, k.shape[2])
+    vbuf = torch.zeros_like(kbuf)
+    outs, offset = [], 0
+    for i, (h, n) in enumerate(zip(n_prefix, lens)):
+        s = n - h
+        if h:
+            kbuf[i, :, width - n:width - s], vbuf[i, :, width - n:width - s] = prefixes[i]
+        kbuf[i, :, width - s:] = k[offset:offset + s].transpose(0, 1)
+        vbuf[i, :, width - s:] = v[offset:offset + s].transpose(0, 1)
+        outs.append(_attend_prompt(attn, q[offset:offset + s], kbuf[i, :, width - n:],
+                                   vbuf[i, :, width - n:], h))
+        offset += s
+    return torch.cat(outs), kbuf, vbuf
 
 
 def _attend_prompt(attn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_prefix: int):

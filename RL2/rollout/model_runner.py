@@ -68,6 +68,19 @@ class KVRunner:
             self.linear)
         return logits
 
+    def step(self, last: torch.Tensor, prompts: list[list[int]], hits: list) -> tuple:
+        """`decode(last)` and `prefill(prompts, hits)` as one forward pass (the weights read
+        once for both): (decode logits, prefill logits). The prompts' rows join as after
+        `prefill`. A compiled or graphed decode step has its own fixed form: two passes then."""
+        if self.graphed is not None or self.compiled is not None:
+            return self.decode(last), self.prefill(prompts, hits)
+        self.kv.reserve(1)
+        logits, prompt_logits, *self._staged = llama_forward.mixed(
+            self.model, last, self.kv, [p[n:] for p, (n, _) in zip(prompts, hits)],
+            [kv for _, kv in hits], self.device, self.linear)
+        self.kv.advance()
+        return logits, prompt_logits
+
     def join(self, src: list[int], room: int) -> None:
         """Add rows for prompts `src` (indices into the last prefill; repeats allowed) with
         `room` decode columns reserved."""
@@ -139,6 +152,9 @@ class RecomputeRunner:
         for context, token in zip(self.contexts, last.tolist()):
             context.append(token)
         return self._forward(self.contexts)
+
+    def step(self, last: torch.Tensor, prompts, hits) -> tuple:
+        return self.decode(last), self.prefill(prompts, hits)
 
     def keep(self, rows: list[int]) -> list[int]:
         self.contexts = [self.contexts[j] for j in rows]

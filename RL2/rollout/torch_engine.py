@@ -11,14 +11,15 @@ Parts (one file each):
 - `prefix_cache.py`: KV of finished samples reused by prompts that extend them.
 
 Scheduling (continuous batching): `generate` puts a request in a waiting list and awaits a
-future. One scheduler task per event loop (started on first use) alternates two phases and yields
-to the loop (`asyncio.sleep(0)`) after each, so environments and callers run between steps:
-  1. admit: all waiting requests (bounded by `max_batch_size` rows and `max_prefill_tokens`
-     prompt tokens) are prefilled together, unpadded; each distinct prompt once (also when
-     separate requests repeat it), its KV repeated for its samples; the first tokens are
-     sampled; the new rows join the running batch.
-  2. decode: one forward of the whole running batch (one token per row); finished rows are
-     evicted at once.
+future. One scheduler task per event loop (started on first use) runs one forward pass per step
+and yields to the loop (`asyncio.sleep(0)`) after each, so environments and callers run between
+steps. A step decodes one token of every running row and, in the same pass, prefills the waiting
+requests (bounded by `max_batch_size` rows and `max_prefill_tokens` prompt tokens; unpadded;
+each distinct prompt once, also when separate requests repeat it, its KV repeated for its
+samples): at a decode step's few rows the linear layers are bound by reading their weights, so
+the prompts' tokens ride along instead of paying that read again (a multi-turn rollout admits a
+turn or two at a time). The decoded rows that finish are evicted at once; the prompts' first
+tokens are sampled and their rows join the batch for the next step.
 A request that arrives mid-decode joins at the next step instead of waiting for the batch to
 drain (static batching).
 
@@ -236,11 +237,7 @@ class TorchEngine(Engine):
                     self._wakeup.clear()
                     await self._wakeup.wait()
                 try:
-                    if self._waiting:
-                        self._admit()
-                        await asyncio.sleep(0)
-                    if self._rows:
-                        self._decode_step()
+                    self._step()
                 except Exception as exc:  # deliver to every caller instead of hanging them
                     logger.exception("TorchEngine scheduler step failed")
                     self._fail_all(exc)
@@ -306,19 +303,39 @@ class TorchEngine(Engine):
         return batch, hits, which
 
     @torch.inference_mode()
-    def _admit(self) -> None:
-        batch, hits, which = self._take_waiting()
-        if not batch:
+    def _step(self) -> None:
+        """One forward pass: a decode step of the running rows, and in the same pass the prefill
+        of the waiting requests the budgets admit (their rows join the batch afterwards)."""
+        live = [j for j, seq in enumerate(self._rows) if not seq.req.future.done()]
+        if len(live) < len(self._rows):  # callers cancelled: drop their rows before computing
+            self._evict(live)
+        batch, hits, which = self._take_waiting() if self._waiting else ([], [], [])
+        if not batch and not self._rows:
             return
-        self._admitting = batch  # if the prefill fails, these callers get the error too
+        self._admitting = batch  # if the pass fails, these callers get the error too
         # Each distinct prompt is prefilled once and its n samples start from the same logits
         # and KV; so are identical prompts of separate requests (a GRPO group whose samples
         # run as trajectories of their own: 16 x 18 -> 4 x 18 prefill tokens in the benchmark)
         unique = [i for i, w in enumerate(which) if w == i]
+        prompts, prompt_hits = [batch[i].prompt for i in unique], [hits[i] for i in unique]
+        if batch and self._rows:
+            logits, prompt_logits = self.runner.step(self._last, prompts, prompt_hits)
+        elif batch:
+            prompt_logits = self.runner.prefill(prompts, prompt_hits)
+        else:
+            logits = self.runner.decode(self._last)
+        if self._rows:
+            self._decoded(logits)
+        if batch:
+            self.stats["prefill_tokens"] += sum(len(p) - h[0] for p, h in zip(prompts, prompt_hits))
+            self.stats["cached_prompt_tokens"] += sum(h[0] for h in prompt_hits)
+            self._admitted(batch, which, unique, prompt_logits)
+        self._admitting = []
+
+    def _admitted(self, batch: list[Request], which: list[int], unique: list[int],
+                  logits: torch.Tensor) -> None:
+        """First tokens of the prefilled requests; the rows that go on join the batch."""
         at = {i: u for u, i in enumerate(unique)}
-        self.stats["prefill_tokens"] += sum(len(batch[i].prompt) - hits[i][0] for i in unique)
-        self.stats["cached_prompt_tokens"] += sum(hits[i][0] for i in unique)
-        logits = self.runner.prefill([batch[i].prompt for i in unique], [hits[i] for i in unique])
         src = [at[which[i]] for i, req in enumerate(batch) for _ in req.seqs]
         seqs = [seq for req in batch for seq in req.seqs]
         rows = torch.tensor(src, device=logits.device)
@@ -329,7 +346,6 @@ class TorchEngine(Engine):
         if keep:
             self._join([src[j] for j in keep], [seqs[j] for j in keep],
                        torch.tensor([tokens[j][0] for j in keep], device=self.device))
-        self._admitting = []
 
     def _join(self, src: list[int], seqs: list[Seq], last: torch.Tensor) -> None:
         """New rows (prompts `src` of the last prefill) join the running batch."""
@@ -341,14 +357,9 @@ class TorchEngine(Engine):
         self._last = last if self._last is None else torch.cat([self._last, last])
         self._rows = self._rows + seqs
 
-    @torch.inference_mode()
-    def _decode_step(self) -> None:
-        live = [j for j, seq in enumerate(self._rows) if not seq.req.future.done()]
-        if len(live) < len(self._rows):  # callers cancelled: drop their rows before computing
-            self._evict(live)
-            if not self._rows:
-                return
-        tokens = sample(self.runner.decode(self._last).float(), self._rows)
+    def _decoded(self, logits: torch.Tensor) -> None:
+        """Next tokens of the running rows; finished rows leave the batch."""
+        tokens = sample(logits.float(), self._rows)
         self._last = torch.tensor([t for t, _ in tokens], device=self.device)
         keep, done = [], {}
         for j, seq in enumerate(self._rows):

@@ -71,9 +71,8 @@ class KVRunner:
     def step(self, last: torch.Tensor, prompts: list[list[int]], hits: list) -> tuple:
         """`decode(last)` and `prefill(prompts, hits)` as one forward pass (the weights read
         once for both): (decode logits, prefill logits). The prompts' rows join as after
-        `prefill`. A compiled or graphed decode step has its own fixed form: two passes then."""
-        if self.graphed is not None or self.compiled is not None:
-            return self.decode(last), self.prefill(prompts, hits)
+        `prefill`. Eager also with `compile_decode` or `cuda_graph`: their fixed-form decode
+        step plus a prefill pass would read the weights twice."""
         self.kv.reserve(1)
         logits, prompt_logits, *self._staged = llama_forward.mixed(
             self.model, last, self.kv, [p[n:] for p, (n, _) in zip(prompts, hits)],

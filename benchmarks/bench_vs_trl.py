@@ -38,13 +38,14 @@ def layouts(threads: int) -> list[tuple[str, int, int, list[str], tuple]]:
     gradient all-reduce per step instead of FSDP's parameter all-gathers and gradient
     reduce-scatters. "2x1 sp": both ranks share every sequence (actor.sp_size=2, ring attention),
     so a step of few long sequences (SFT's 600 + 250 + 100 + 50 + 20 tokens: 600 / 420 by whole
-    sequences) splits evenly. "2x1 rg2" (GRPO only): one engine for both ranks
-    (actor.rollout.tp_size=2), whose leader decodes 16 rows with both ranks' threads instead of
-    two engines each streaming the whole model for 8 rows."""
+    sequences) splits evenly. GRPO's 2 x 1 runs share one engine for both ranks (the default
+    actor.rollout.tp_size=auto on CPU), whose leader decodes 16 rows with both ranks' threads;
+    "2x1 rg1" (GRPO only) has an engine per rank (actor.rollout.tp_size=1, the default before
+    fix 24), each streaming the whole model for 8 rows."""
     return [(f"RL2 1x{threads}", 1, threads, [], WORKLOADS), ("RL2 2x1", 2, 1, [], WORKLOADS),
             ("RL2 2x1 ddp", 2, 1, ["actor.ddp_size=2"], WORKLOADS),
             ("RL2 2x1 sp", 2, 1, ["actor.sp_size=2"], WORKLOADS),
-            ("RL2 2x1 rg2", 2, 1, ["actor.rollout.tp_size=2"], ("grpo",))]
+            ("RL2 2x1 rg1", 2, 1, ["actor.rollout.tp_size=1"], ("grpo",))]
 
 
 def trl_available() -> bool:

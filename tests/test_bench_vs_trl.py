@@ -59,12 +59,12 @@ def test_bench_vs_trl_quick_runs_end_to_end(tmp_path):
                          timeout=1500)
     assert out.returncode == 0, out.stderr[-2000:]
     text = out.stdout
-    assert "| workload | TRL | RL2 1x1 | RL2 2x1 | RL2 2x1 ddp | RL2 2x1 sp | RL2 2x1 rg2 |" in text
+    assert "| workload | TRL | RL2 1x1 | RL2 2x1 | RL2 2x1 ddp | RL2 2x1 sp | RL2 2x1 rg1 |" in text
     assert "TRL skipped: --no-trl" in text
     for workload in ("sft", "dpo", "grpo"):
         for label, *_ in FIGURES[workload]:
             row = next(line for line in text.splitlines() if line.startswith(f"| {label} |"))
             cells = row.strip("| ").split(" | ")
-            ran = cells[2:] if workload == "grpo" else cells[2:-1]  # rg2: one engine, GRPO only
+            ran = cells[2:] if workload == "grpo" else cells[2:-1]  # rg1: an engine per rank, GRPO only
             assert cells[1] == "skipped" and all("% peak)" in c for c in ran), row
             assert workload == "grpo" or cells[-1] == "skipped", row

@@ -198,6 +198,9 @@ def test_refills_are_bounded_and_failures_over_budget_stop_the_run(tmp_path, mon
     (["actor.strict_on_policy=true", "actor.update_per_rollout=2"], "strict_on_policy needs an on-policy"),
     (["actor.rollout.max_staleness=1", "actor.rollout.engine=vllm"], "needs actor.rollout.engine=torch"),
     (["actor.rollout.torch.cpu_matmul=mkl"], "actor.rollout.torch.cpu_matmul='mkl'"),
+    (["actor.rollout.tp_size=0"], "actor.rollout.tp_size=0"),
+    (["actor.rollout.tp_size=all"], "actor.rollout.tp_size='all'"),
+    (["actor.rollout.max_staleness=1", "actor.rollout.tp_size=2"], "tp_size=1 or auto"),
 ])
 def test_bad_configs_stop_with_the_key_to_change(overrides, message):
     with pytest.raises(SystemExit, match=message):
@@ -278,10 +281,26 @@ async def step(state, action, extra_info):
 '''
 
 
+def test_rollout_tp_size_auto_is_one_torch_engine_per_host_only_where_it_applies(monkeypatch):
+    monkeypatch.setattr(rollout_mod.dist, "get_world_size", lambda: 4)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # torchrun: 2 hosts x 2 ranks
+    r = cfg_with().actor.rollout
+    assert r.tp_size == "auto" and rollout_mod.group_size(r, "torch", "cpu") == 2
+    assert rollout_mod.group_size(r, "torch", "cuda") == 1  # GPUs: an engine per rank
+    assert rollout_mod.group_size(r, "vllm", "cpu") == 1 and rollout_mod.group_size(r, "sglang", "cuda") == 1
+    for key in ("actor.rollout.max_staleness=1", "actor.rollout.placement=disaggregated"):
+        assert rollout_mod.group_size(cfg_with(key).actor.rollout, "torch", "cpu") == 1
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")  # hosts of unequal sizes: no host-sized groups
+    assert rollout_mod.group_size(r, "torch", "cpu") == 1
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")  # not launched by torchrun
+    assert rollout_mod.group_size(r, "torch", "cpu") == 1
+
+
 @pytest.mark.slow
 def test_cpu_rollout_group_leader_decodes_with_the_groups_threads(assets, tmp_path):
-    # 2 ranks x 1 thread: with actor.rollout.tp_size=2 one torch engine serves both ranks and its
-    # leader generates with both ranks' threads; the samples are those of one engine per rank
+    # 2 ranks x 1 thread: with actor.rollout.tp_size=2 (and auto, the default, on one host) one
+    # torch engine serves both ranks and its leader generates with both ranks' threads; the
+    # samples are those of one engine per rank
     (tmp_path / "env.py").write_text(THREADS_ENV)
     args = [f"actor.model_name={assets['model']}", f"data.train.path={assets['data']}/ppo_train.jsonl",
             f"actor.rollout.env_path={tmp_path / 'env.py'}", "actor.rollout.prompts_per_rollout=4",
@@ -291,12 +310,13 @@ def test_cpu_rollout_group_leader_decodes_with_the_groups_threads(assets, tmp_pa
             # weights of update 1, synced to the group's engine
             "actor.strict_on_policy=true"]
     actions = {}
-    for tp in (1, 2):
+    for tp, threads in ((1, 1), (2, 2), ("auto", 2)):
         run_trainer("ppo", 2, args + [f"actor.rollout.tp_size={tp}"], tmp_path / f"tp{tp}")
         assert train_rows(tmp_path / f"tp{tp}", "actor/grad_norm")[0] > 0  # weights moved
         for step in (1, 2):
             rows = [json.loads(line) for line in (tmp_path / f"tp{tp}" / "run" / "rollouts" /
                                                   f"step{step}.jsonl").read_text().splitlines()]
-            assert len(rows) == 8 and {r["reward"] // 100 for r in rows} == {tp}
+            assert len(rows) == 8 and {r["reward"] // 100 for r in rows} == {threads}
             actions[tp, step] = [[turn["action"] for turn in r["turns"]] for r in rows]
-    assert actions[1, 1] == actions[2, 1] and actions[1, 2] == actions[2, 2]
+    for step in (1, 2):
+        assert actions[1, step] == actions[2, step] == actions["auto", step]

@@ -48,6 +48,21 @@ def engine_kwargs(kind: str, cfg, seed: int = 0) -> dict:
     return kw
 
 
+def group_size(cfg, kind: str, device: str) -> int:
+    """What `actor.rollout.tp_size=auto` means: on the CPU, the ranks of a host (torchrun's
+    LOCAL_WORLD_SIZE) share one torch engine when rollout is synchronous and colocated. A decode
+    step reads every weight once for all its rows, so one engine with every row reads the model
+    once per token where an engine per rank reads it once per rank; the leader decodes with the
+    group's threads (the others wait on gloo). 2 x 1 GRPO generation: 1.2-1.4x (benchmarks/
+    README.md, fixes 21 and 24). Otherwise one rank per engine (SGLang and vLLM on CUDA: no
+    tensor parallelism unless asked; asynchronous rollout needs an engine per rank)."""
+    if (kind != "torch" or device != "cpu" or cfg.get("placement", "colocated") != "colocated"
+            or cfg.get("max_staleness", 0) > 0):
+        return 1
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return local if local >= 1 and dist.get_world_size() % local == 0 else 1
+
+
 LORA_SYNC = ("auto", "merged", "adapter")
 ADAPTER_ENGINES = ("vllm", "sglang")  # engines that load LoRA adapters
 
@@ -120,6 +135,11 @@ class Rollout:
         is built to load adapters of that rank and targets."""
         self.cfg, self.tokenizer, self.env, self.seed = cfg, tokenizer, env, seed
         rank, world = dist.get_rank(), dist.get_world_size()
+        self.kind = resolve_engine_kind(cfg.engine, device)
+        if cfg.tp_size == "auto":
+            cfg.tp_size = group_size(cfg, self.kind, device)
+            if rank == 0:
+                logger.info(f"actor.rollout.tp_size=auto: {cfg.tp_size} rank(s) per {self.kind} engine")
         if world % cfg.tp_size:
             raise ValueError(f"world size {world} is not divisible by actor.rollout.tp_size={cfg.tp_size}")
         self.n_groups = world // cfg.tp_size
@@ -133,7 +153,6 @@ class Rollout:
         # Ranks without an engine wait here for the leaders' rollouts, which can take longer than
         # NCCL's watchdog allows, and must not spin NCCL kernels beside SGLang: wait on gloo.
         self.cpu_group = dist.new_group(backend="gloo", timeout=ROLLOUT_TIMEOUT)
-        self.kind = resolve_engine_kind(cfg.engine, device)
         # CPU torch engine of a group of several ranks: the others wait (on gloo, not spinning)
         # while the leader generates, so it decodes with their cores too (benchmarks/README.md,
         # fix 21); 1 = the leader's own thread count

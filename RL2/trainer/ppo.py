@@ -117,6 +117,8 @@ def _rollout_problems(r) -> list[str]:
         problems.append(f"actor.rollout.weight_sync={r.weight_sync!r}: use one of {TRANSPORTS}")
     if r.torch.get("cpu_matmul", "onednn") not in onednn.CHOICES:  # (workers check their own)
         problems.append(f"actor.rollout.torch.cpu_matmul={r.torch.cpu_matmul!r}: use one of {onednn.CHOICES}")
+    if r.tp_size != "auto" and (not isinstance(r.tp_size, int) or r.tp_size < 1):
+        problems.append(f"actor.rollout.tp_size={r.tp_size!r}: use auto or a number of ranks >= 1")
     if r.bucket_mb <= 0:
         problems.append(f"actor.rollout.bucket_mb={r.bucket_mb} must be > 0")
     if r.env_workers < 0:
@@ -141,8 +143,8 @@ def check_async_config(cfg) -> list[str]:
             problems.append(f"actor.rollout.max_staleness > 0 needs actor.rollout.engine=torch "
                             f"(engine={r.engine} resolves to {kind}: asynchronous rollout is "
                             "implemented for the embedded torch engine only)")
-        if r.tp_size != 1:
-            problems.append("actor.rollout.max_staleness > 0 needs actor.rollout.tp_size=1 (one engine per rank)")
+        if r.tp_size not in (1, "auto"):
+            problems.append("actor.rollout.max_staleness > 0 needs actor.rollout.tp_size=1 or auto (one engine per rank)")
         if r.reward_model:
             problems.append("actor.rollout.max_staleness > 0 does not support actor.rollout.reward_model "
                             "(its forward is a collective on the trainer's process group)")

@@ -198,6 +198,7 @@ def test_refills_are_bounded_and_failures_over_budget_stop_the_run(tmp_path, mon
     (["actor.strict_on_policy=true", "actor.update_per_rollout=2"], "strict_on_policy needs an on-policy"),
     (["actor.rollout.max_staleness=1", "actor.rollout.engine=vllm"], "needs actor.rollout.engine=torch"),
     (["actor.rollout.torch.cpu_matmul=mkl"], "actor.rollout.torch.cpu_matmul='mkl'"),
+    (["actor.rollout.torch.small_gemm=maybe"], "actor.rollout.torch.small_gemm='maybe'"),
     (["actor.rollout.tp_size=0"], "actor.rollout.tp_size=0"),
     (["actor.rollout.tp_size=all"], "actor.rollout.tp_size='all'"),
     (["actor.rollout.max_staleness=1", "actor.rollout.tp_size=2"], "tp_size=1 or auto"),

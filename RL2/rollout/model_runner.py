@@ -6,7 +6,8 @@ drops rows and returns the new order (old index per new row).
 - `KVRunner` (Llama-family models, the default): our own forward (`llama_forward.py`) over our
   own KV buffers (`kv_cache.BatchKV`). Nothing of transformers' cache API is used. On the CPU
   its linear layers use oneDNN-packed copies of the weights (`RL2/utils/onednn.py`; dropped by
-  `weights_changed`, rebuilt on the next step). With `compile_decode` (CPU) decode steps of two
+  `weights_changed`, rebuilt on the next step), and products of a few rows (decode steps) RL2's
+  AVX-512 kernel where it builds (`small_gemm`, `RL2/utils/small_gemm.py`). With `compile_decode` (CPU) decode steps of two
   or more rows run one inductor-compiled graph (`compiled_decode.py`). On CUDA with
   `cuda_graph`, decode steps replay CUDA graphs (`cuda_graph.py`; written, not run: no GPU here).
 - `RecomputeRunner` (every other architecture, or `own_forward=False`): the HF forward over
@@ -30,9 +31,10 @@ class KVRunner:
     caches_prefixes = True  # rows' KV can be kept for later prompts (`row_kv`)
 
     def __init__(self, model, device, onednn: bool = True, cuda_graph: bool = False,
-                 compile_decode: bool = False):
+                 compile_decode: bool = False, small_gemm: bool = False):
         self.model, self.device = model, device
-        self.linear = PackedLinears(enabled=onednn)
+        cpu = torch.device(device).type == "cpu"
+        self.linear = PackedLinears(enabled=onednn, small=small_gemm and cpu)
         self.graphed = self.compiled = None
         if compile_decode:
             if torch.device(device).type != "cpu":
@@ -161,8 +163,8 @@ class RecomputeRunner:
 
 
 def make_runner(model, device, own_forward: bool = True, onednn: bool = True,
-                cuda_graph: bool = False, compile_decode: bool = False):
+                cuda_graph: bool = False, compile_decode: bool = False, small_gemm: bool = False):
     if own_forward and llama_forward.supports(model):
-        return KVRunner(model, device, onednn, cuda_graph, compile_decode)
+        return KVRunner(model, device, onednn, cuda_graph, compile_decode, small_gemm)
     return RecomputeRunner(model, device)
 

@@ -330,6 +330,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--cpu-matmul", default="onednn", choices=["onednn", "aten"],
                    help="linear layers on the CPU: oneDNN-packed weights or PyTorch's default BLAS")
+    p.add_argument("--no-small-gemm", dest="small_gemm", action="store_false",
+                   help="CPU: decode-step products on oneDNN, not RL2's AVX-512 kernel")
     p.add_argument("--compile-decode", action="store_true",
                    help="CPU: decode steps run one torch.compile'd graph (first step compiles)")
     return p
@@ -343,7 +345,8 @@ def main(argv=None):
     engine = ServedEngine(args.model, args.tokenizer or args.model, device=args.device,
                           dtype=args.dtype, max_model_len=args.max_model_len,
                           max_batch_size=args.max_batch_size, seed=args.seed,
-                          cpu_matmul=args.cpu_matmul, compile_decode=args.compile_decode)
+                          cpu_matmul=args.cpu_matmul, compile_decode=args.compile_decode,
+                          small_gemm=args.small_gemm)
     server = EngineServer(engine, args.model)
     # listen backlog: the stdlib default (5) resets connections when a trainer sends a burst
     ThreadingHTTPServer.request_queue_size = 1024

@@ -59,7 +59,7 @@ class TorchEngine(Engine):
                  prefix_cache_mb: float = 512, attn_implementation: str = "sdpa",
                  offload_weights: bool = True, own_forward: bool = True, seed: int = 0,
                  cpu_matmul: str = "onednn", cuda_graph: bool = False,
-                 compile_decode: bool = False):
+                 compile_decode: bool = False, small_gemm: bool = True):
         """`model`: HF directory or an nn.Module (used as is, not copied). `tokenizer`: HF
         tokenizer, a path, or None (then no stop strings and no implicit eos). `offload_weights`:
         release_memory also moves the weights to CPU (only when the device is not CPU).
@@ -68,7 +68,9 @@ class TorchEngine(Engine):
         `llama_forward.py` over the engine's KV buffers (False: every model uses the HF forward
         without a cache, as other architectures always do; for tests). `cpu_matmul`: "onednn"
         (linear layers on oneDNN-packed weights on the CPU, RL2/utils/onednn.py), "aten", or
-        "auto" (oneDNN: faster at decode shapes on AMD and Intel alike).
+        "auto" (oneDNN: faster at decode shapes on AMD and Intel alike). `small_gemm`: with
+        oneDNN, products of a few fp32 rows (decode steps) through RL2's AVX-512 kernel where
+        it builds (RL2/utils/small_gemm.py; else oneDNN).
         `cuda_graph`: on CUDA, decode steps of Llama-family models replay CUDA graphs
         (RL2/rollout/cuda_graph.py; written, not run on a GPU). `compile_decode`: on the CPU,
         decode steps of Llama-family models run one torch.compile'd graph
@@ -90,7 +92,8 @@ class TorchEngine(Engine):
         use_onednn = onednn.resolve(check_choice(cpu_matmul, "cpu_matmul", onednn.CHOICES),
                                     training=False) == "onednn"
         self.runner = make_runner(self.model, self.device, own_forward, onednn=use_onednn,
-                                  cuda_graph=cuda_graph, compile_decode=compile_decode)
+                                  cuda_graph=cuda_graph, compile_decode=compile_decode,
+                                  small_gemm=small_gemm)
         self.own_forward = self.runner.caches_prefixes
         cfg = self.model.config.get_text_config(decoder=True)
         self.vocab_size = self.model.get_output_embeddings().weight.shape[0]

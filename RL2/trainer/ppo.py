@@ -117,6 +117,8 @@ def _rollout_problems(r) -> list[str]:
         problems.append(f"actor.rollout.weight_sync={r.weight_sync!r}: use one of {TRANSPORTS}")
     if r.torch.get("cpu_matmul", "onednn") not in onednn.CHOICES:  # (workers check their own)
         problems.append(f"actor.rollout.torch.cpu_matmul={r.torch.cpu_matmul!r}: use one of {onednn.CHOICES}")
+    if not isinstance(r.torch.get("small_gemm", True), bool):
+        problems.append(f"actor.rollout.torch.small_gemm={r.torch.small_gemm!r}: use true or false")
     if r.tp_size != "auto" and (not isinstance(r.tp_size, int) or r.tp_size < 1):
         problems.append(f"actor.rollout.tp_size={r.tp_size!r}: use auto or a number of ranks >= 1")
     if r.bucket_mb <= 0:

@@ -18,10 +18,15 @@ rounded differently from MKL's.
 """
 from __future__ import annotations
 
+import logging
 import types
 
 import torch
 import torch.nn.functional as F
+
+from RL2.utils import small_gemm
+
+logger = logging.getLogger(__name__)
 
 _DTYPES = (torch.float32, torch.bfloat16)
 CHOICES = ("auto", "onednn", "aten")
@@ -116,17 +121,33 @@ class PackedLinears:
     owner calls `clear()` whenever weights change (in place or replaced): a copy is only keyed
     by its module and the weight's storage, which an in-place copy does not change."""
 
-    def __init__(self, enabled: bool = True):
+    def __init__(self, enabled: bool = True, small: bool = False):
         self.enabled = enabled and available()
         self._packed: dict = {}  # module (or tuple of modules) -> (weight addresses, packed[, bias])
+        # `small`: products of <= small_gemm.MAX_ROWS fp32 rows through RL2's AVX-512 kernel,
+        # where it builds (RL2/utils/small_gemm.py)
+        self.small = False
+        if self.enabled and small:
+            lib, why = small_gemm.load()
+            self.small = lib is not None
+            if why:
+                logger.info("small_gemm: %s; decode-step linear layers stay on oneDNN", why)
+        self._strips: dict = {}  # as _packed, in the kernel's layout (small_gemm.pack)
 
     def clear(self) -> None:
         self._packed.clear()
+        self._strips.clear()
 
     def __call__(self, x: torch.Tensor, proj: torch.nn.Linear) -> torch.Tensor:
         w = proj.weight
         if not self.enabled or not _eligible(x, w) or x.numel() == 0:
             return F.linear(x, w, proj.bias)
+        if self.small and small_gemm.eligible(x, w):
+            entry = self._strips.get(proj)
+            if entry is None or entry[0] != w.data_ptr():
+                entry = (w.data_ptr(), small_gemm.pack(w))
+                self._strips[proj] = entry
+            return small_gemm.linear(x, entry[1], w.shape[0], proj.bias)
         entry = self._packed.get(proj)
         if entry is None or entry[0] != w.data_ptr():
             entry = (w.data_ptr(), torch.ops.mkldnn._reorder_linear_weight(w.detach(), None))
@@ -147,6 +168,15 @@ class PackedLinears:
             return self(x, projs[0])
         ws = [p.weight for p in projs]
         key = tuple(w.data_ptr() for w in ws)
+        if self.small and small_gemm.eligible(x, ws[0]):
+            entry = self._strips.get(projs)
+            if entry is None or entry[0] != key:
+                if not all(_eligible(x, w) for w in ws):
+                    return torch.cat([self(x, p) for p in projs], dim=-1)
+                stacked, bias = _stack(projs)
+                entry = (key, small_gemm.pack(stacked), bias, stacked.shape[0])
+                self._strips[projs] = entry
+            return small_gemm.linear(x, entry[1], entry[3], entry[2])
         entry = self._packed.get(projs)
         # a decode step calls this ~30 times: when these very weights are packed, only x is
         # checked (what _eligible checks of the weights held when they were packed)
@@ -156,11 +186,18 @@ class PackedLinears:
         if not self.enabled or x.numel() == 0 or not all(_eligible(x, w) for w in ws):
             return torch.cat([self(x, p) for p in projs], dim=-1)
         if entry is None or entry[0] != key:  # not packed yet, or the weights were replaced
-            bias = None
-            if any(p.bias is not None for p in projs):
-                bias = torch.cat([p.bias.detach() if p.bias is not None else
-                                  w.new_zeros(w.shape[0]) for p, w in zip(projs, ws)])
-            stacked = torch.cat([w.detach() for w in ws])
+            stacked, bias = _stack(projs)
             entry = (key, torch.ops.mkldnn._reorder_linear_weight(stacked, None), bias)
             self._packed[projs] = entry
         return _mm(x, entry[1], entry[2])
+
+
+def _stack(projs: tuple) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The weights of `projs` stacked along the output dimension, and their biases (zeros for
+    a layer without one; None when none has a bias)."""
+    ws = [p.weight.detach() for p in projs]
+    bias = None
+    if any(p.bias is not None for p in projs):
+        bias = torch.cat([p.bias.detach() if p.bias is not None else w.new_zeros(w.shape[0])
+                          for p, w in zip(projs, ws)])
+    return torch.cat(ws), bias

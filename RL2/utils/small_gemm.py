@@ -1,0 +1,162 @@
+"""The CPU engine's decode-step linear layers (<= MAX_ROWS rows) through RL2's AVX-512 kernel.
+
+Why a kernel of our own: at a decode step's few rows a linear layer is bound by reading its
+weights, and the libraries at hand do not stream them at the machine's rate there. On the
+2-core Intel Xeon of benchmarks/README.md (fix 25) the model's linear layers at 16 rows took
+7.1-7.4 ms through `small_gemm.c` against 9.6-9.7 ms through oneDNN's packed weights (1.3x;
+1.3x at 1-24 rows, even at 32, slower beyond: more rows go to oneDNN), and the small ops
+after each product ran faster too (the kernel drags less through the caches). oneDNN stays for
+prefill-sized products; MKL re-packs every weight on every call.
+
+The C source ships with the package and is compiled on first use with the system's C compiler
+(`$CC`, else gcc / cc; about a second) into `$RL2_CACHE_DIR` (default `~/.cache/rl2`), keyed by
+the source, compiler and flags, and linked against the OpenMP runtime PyTorch already loaded,
+so that both share one thread pool. Where that cannot be done (no x86 AVX-512, no compiler,
+PyTorch not on GNU OpenMP, a failed build or self-check) `load()` says why and callers keep
+oneDNN. Results are fp32, summed in order over the inner dimension (rounded differently from
+a blocked BLAS, like oneDNN vs MKL).
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from functools import lru_cache
+
+import torch
+import torch.nn.functional as F
+
+logger = logging.getLogger(__name__)
+
+MAX_ROWS = 24  # at most this many rows per product; more go to oneDNN (crossover ~32, fix 25)
+SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "small_gemm.c")
+CFLAGS = ["-O3", "-mavx512f", "-mfma", "-fopenmp", "-fPIC"]
+
+
+def cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def openmp_libraries(maps: str | None = None) -> set[str]:
+    """Paths of the GNU OpenMP runtimes mapped into this process (/proc/self/maps text)."""
+    if maps is None:
+        try:
+            with open("/proc/self/maps") as f:
+                maps = f.read()
+        except OSError:
+            return set()
+    paths = set()
+    for line in maps.splitlines():
+        parts = line.split()
+        if len(parts) >= 6 and os.path.basename(parts[5]).startswith("libgomp"):
+            paths.add(parts[5])
+    return paths
+
+
+def cache_dir() -> str:
+    return os.environ.get("RL2_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "rl2")
+
+
+def _compiler() -> str | None:
+    cc = os.environ.get("CC")
+    return shutil.which(cc) if cc else (shutil.which("gcc") or shutil.which("cc"))
+
+
+def _build(cc: str, gomp: str, out: str) -> None:
+    """Compile SOURCE into `out` atomically (ranks of one host may build at once)."""
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=os.path.dirname(out)) as tmp:
+        obj, lib = os.path.join(tmp, "k.o"), os.path.join(tmp, "k.so")
+        # linked to PyTorch's libgomp by path (not -lgomp): one OpenMP thread pool in the process
+        for cmd in ([cc, *CFLAGS, "-c", SOURCE, "-o", obj],
+                    [cc, "-shared", obj, gomp, f"-Wl,-rpath,{os.path.dirname(gomp)}", "-o", lib]):
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+            if done.returncode:
+                raise RuntimeError(f"`{' '.join(cmd)}` failed: {done.stderr.strip()[-400:]}")
+        os.replace(lib, out)
+
+
+def _self_check(lib) -> None:
+    g = torch.Generator().manual_seed(0)
+    w, b = torch.randn(40, 33, generator=g), torch.randn(40, generator=g)
+    x = torch.randn(5, 33, generator=g)
+    y = _call(lib, x, pack(w), 40, b)
+    if not torch.allclose(y, F.linear(x, w, b), rtol=1e-4, atol=1e-4):
+        raise RuntimeError("the built kernel's products differ from torch's")
+
+
+@lru_cache(maxsize=None)
+def load():
+    """(the loaded library, None), or (None, why it cannot be used here)."""
+    if "avx512f" not in cpu_flags():
+        return None, "this CPU has no AVX-512"
+    gomp = openmp_libraries()
+    if len(gomp) != 1:
+        return None, f"PyTorch's OpenMP runtime not found as one libgomp (mapped: {sorted(gomp)})"
+    gomp = gomp.pop()
+    cc = _compiler()
+    if cc is None:
+        return None, "no C compiler (set CC, or install gcc)"
+    with open(SOURCE, "rb") as f:
+        key = hashlib.sha256(f.read() + repr((cc, CFLAGS, gomp)).encode()).hexdigest()[:16]
+    path = os.path.join(cache_dir(), f"small_gemm-{key}.so")
+    try:
+        if not os.path.exists(path):
+            _build(cc, gomp, path)
+        lib = ctypes.CDLL(path)
+        p, i = ctypes.c_void_p, ctypes.c_int64
+        lib.rl2_small_gemm.argtypes = [p, i, i, p, i, p, p, ctypes.c_int]
+        lib.rl2_small_gemm.restype = None
+        if len(openmp_libraries()) != 1:
+            return None, "loading the kernel brought a second OpenMP runtime"
+        _self_check(lib)
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        return None, f"could not build or load {path}: {e}"
+    return lib, None
+
+
+def available() -> bool:
+    return load()[0] is not None
+
+
+def eligible(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `x @ weight.T` goes to the kernel: fp32 CPU tensors, a few rows."""
+    return (x.dtype == torch.float32 and weight.dtype == torch.float32 and x.device.type == "cpu"
+            and type(x) is torch.Tensor and 0 < x.numel() <= MAX_ROWS * x.shape[-1])
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """weight [N, K] -> strips [ceil(N / 16), K, 16] (zero columns past N), as the kernel reads it."""
+    n, k = weight.shape
+    w = weight.detach()
+    if n % 16:
+        w = torch.cat([w, w.new_zeros(16 - n % 16, k)])
+    return w.reshape(-1, 16, k).transpose(1, 2).contiguous()
+
+
+def _call(lib, x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None) -> torch.Tensor:
+    k = x.shape[-1]
+    x = x.contiguous()
+    if bias is not None:
+        bias = bias.detach().contiguous()
+    y = torch.empty(*x.shape[:-1], n, dtype=x.dtype)
+    lib.rl2_small_gemm(x.data_ptr(), x.numel() // k, k, packed.data_ptr(), n,
+                       None if bias is None else bias.data_ptr(), y.data_ptr(), torch.get_num_threads())
+    return y
+
+
+def linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ W.T (+ bias) -> [..., n], W given as `pack(W)` (n rows). Needs `available()`."""
+    return _call(load()[0], x, packed, n, bias)

@@ -1,0 +1,184 @@
+"""RL2's AVX-512 kernel for the CPU engine's decode-step products (RL2/utils/small_gemm.py):
+F.linear's numbers within fp32 rounding at every shape the engine sends it, the same bits with
+any thread count, the routing between it and oneDNN in PackedLinears, the engine's tokens, and a
+clear fallback where it cannot be built."""
+import asyncio
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from RL2.rollout.engine import SamplingParams
+from RL2.rollout.torch_engine import TorchEngine
+from RL2.utils import onednn, small_gemm
+
+CAN_BUILD = ("avx512f" in small_gemm.cpu_flags() and onednn.available()
+             and (shutil.which("gcc") or shutil.which("cc")) is not None)
+needs_kernel = pytest.mark.skipif(not CAN_BUILD, reason="no AVX-512 CPU or no C compiler here")
+
+
+@needs_kernel
+def test_the_kernel_builds_where_it_can():
+    # CI's machine has AVX-512 and gcc: the kernel must not silently fall back there
+    lib, why = small_gemm.load()
+    assert lib is not None, why
+    assert len(small_gemm.openmp_libraries()) == 1  # linked to PyTorch's own OpenMP runtime
+
+
+@needs_kernel
+@pytest.mark.parametrize("n,k", [(1024, 512), (100, 37), (17, 64), (3, 5), (48, 1536)])
+@pytest.mark.parametrize("rows", [1, 7, 16, 24])
+@pytest.mark.parametrize("bias", [False, True])
+def test_products_match_f_linear(n, k, rows, bias):
+    g = torch.Generator().manual_seed(n * 1000 + k + rows)
+    w = torch.randn(n, k, generator=g)
+    b = torch.randn(n, generator=g) if bias else None
+    x = torch.randn(rows, k, generator=g)
+    y = small_gemm.linear(x, small_gemm.pack(w), n, b)
+    assert y.shape == (rows, n) and y.dtype == torch.float32
+    # fp32 sums over k in another order than MKL's: relative to the size of the terms
+    torch.testing.assert_close(y, F.linear(x, w, b), rtol=1e-5, atol=2e-6 * k ** 0.5 * 4)
+
+
+@needs_kernel
+def test_batched_input_and_more_rows_than_a_strip_takes():
+    w, b = torch.randn(40, 24), torch.randn(40)
+    x = torch.randn(3, 11, 24)  # 33 rows: strips of 16, 16 and 1 rows
+    torch.testing.assert_close(small_gemm.linear(x, small_gemm.pack(w), 40, b), F.linear(x, w, b),
+                               rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+def test_same_bits_with_any_thread_count():
+    # each output column is one thread's ordered sum: the thread count cannot change a bit
+    w, x = torch.randn(304, 256), torch.randn(16, 256)
+    packed, before = small_gemm.pack(w), torch.get_num_threads()
+    try:
+        outs = []
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            outs.append(small_gemm.linear(x, packed, 304))
+    finally:
+        torch.set_num_threads(before)
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
+
+
+def test_eligibility():
+    w = torch.randn(32, 8)
+    assert small_gemm.eligible(torch.randn(small_gemm.MAX_ROWS, 8), w)
+    assert small_gemm.eligible(torch.randn(2, 3, 8), w)
+    assert not small_gemm.eligible(torch.randn(small_gemm.MAX_ROWS + 1, 8), w)  # prefill: oneDNN
+    assert not small_gemm.eligible(torch.randn(0, 8), w)
+    assert not small_gemm.eligible(torch.randn(4, 8, dtype=torch.bfloat16), w.bfloat16())
+    assert not small_gemm.eligible(torch.randn(4, 8, dtype=torch.float64), w.double())
+
+
+def test_openmp_runtimes_are_read_from_the_process_map():
+    maps = textwrap.dedent("""\
+        7f00-7f01 r-xp 00000000 08:01 1 /venv/torch/lib/libgomp.so.1
+        7f01-7f02 r--p 00001000 08:01 1 /venv/torch/lib/libgomp.so.1
+        7f02-7f03 r-xp 00000000 08:01 2 /usr/lib/x86_64-linux-gnu/libgomp.so.1
+        7f03-7f04 rw-p 00000000 00:00 0
+        7f04-7f05 r-xp 00000000 08:01 3 /venv/torch.libs/libgomp-a34b3233.so.1
+        7f05-7f06 r-xp 00000000 08:01 4 /venv/torch/lib/libtorch_cpu.so
+    """)
+    assert small_gemm.openmp_libraries(maps) == {
+        "/venv/torch/lib/libgomp.so.1", "/usr/lib/x86_64-linux-gnu/libgomp.so.1",
+        "/venv/torch.libs/libgomp-a34b3233.so.1"}
+
+
+@needs_kernel
+def test_packed_linears_route_few_rows_to_the_kernel_and_the_rest_to_onednn():
+    torch.manual_seed(0)
+    q, k, v = (torch.nn.Linear(64, n, bias=True) for n in (64, 32, 32))
+    o = torch.nn.Linear(64, 64, bias=False)
+    pl = onednn.PackedLinears(small=True)
+    assert pl.small
+    for rows in (1, small_gemm.MAX_ROWS, small_gemm.MAX_ROWS + 1, 100):
+        x = torch.randn(rows, 64)
+        got = pl.many(x, (q, k, v)) + [pl(x, o)]
+        for y, lin in zip(got, (q, k, v, o)):
+            torch.testing.assert_close(y, lin(x), rtol=1e-5, atol=1e-5)
+    # few rows went to the kernel's copies, the others to oneDNN's: one of each per weight set
+    assert set(pl._strips) == {(q, k, v), o} and set(pl._packed) == {(q, k, v), o}
+    # weights changed in place (a colocated sync): after clear() the new values are used
+    with torch.no_grad():
+        for lin in (q, k, v, o):
+            lin.weight.mul_(-1)
+    pl.clear()
+    x = torch.randn(4, 64)
+    torch.testing.assert_close(pl.stacked(x, (q, k, v)), torch.cat([q(x), k(x), v(x)], -1),
+                               rtol=1e-5, atol=1e-5)
+    # without `small` nothing goes to the kernel
+    off = onednn.PackedLinears()
+    off(x, o)
+    assert not off.small and not off._strips
+
+
+def _model(seed):
+    torch.manual_seed(seed)
+    cfg = Qwen2Config(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    return Qwen2ForCausalLM(cfg).eval()
+
+
+@needs_kernel
+def test_engine_decodes_through_the_kernel_with_onednn_engine_tokens():
+    prompts = [[(5 * i + j) % 512 for j in range(4 + 3 * i)] for i in range(6)]
+
+    def run(engine):
+        async def go():
+            params = SamplingParams(temperature=0, max_new_tokens=20)
+            return await asyncio.gather(*[engine.generate(p, params) for p in prompts])
+        return [out[0] for out in asyncio.run(go())]
+
+    kernel, plain = TorchEngine(_model(3), None), TorchEngine(_model(3), None, small_gemm=False)
+    got, want = run(kernel), run(plain)
+    assert kernel.runner.linear.small and kernel.runner.linear._strips  # the default, and used
+    assert not plain.runner.linear._strips
+    for a, b in zip(got, want):
+        assert a.token_ids == b.token_ids
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), rtol=0, atol=1e-4)
+    # new weights: the strips are rebuilt, as oneDNN's packed copies are
+    other = _model(4)
+    for engine in (kernel, plain):
+        engine.update_weights(other.state_dict().items())
+    assert [o.token_ids for o in run(kernel)] == [o.token_ids for o in run(plain)]
+
+
+SCRIPT = """
+import torch
+from RL2.utils import onednn, small_gemm
+lib, why = small_gemm.load()
+print("WHY", why)
+pl = onednn.PackedLinears(small=True)
+lin = torch.nn.Linear(8, 4)
+x = torch.randn(2, 8)
+assert not pl.small and torch.allclose(pl(x, lin), lin(x), atol=1e-6)
+"""
+
+
+@pytest.mark.skipif(not onednn.available(), reason="this torch has no oneDNN")
+@pytest.mark.parametrize("compiler", ["missing", "failing"])
+def test_without_a_working_compiler_the_engine_keeps_onednn_and_says_why(tmp_path, compiler):
+    cc = tmp_path / "cc"
+    if compiler == "failing":
+        cc.write_text("#!/bin/sh\necho 'cc: fatal error: no input' >&2\nexit 1\n")
+        cc.chmod(0o755)
+    env = dict(os.environ, CC=str(cc), RL2_CACHE_DIR=str(tmp_path / "cache"))
+    proc = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    why = proc.stdout.split("WHY ", 1)[1]
+    if "avx512f" not in small_gemm.cpu_flags():
+        assert "no AVX-512" in why
+    elif compiler == "missing":
+        assert "no C compiler" in why
+    else:
+        assert "could not build" in why and "no input" in why

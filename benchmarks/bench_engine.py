@@ -188,25 +188,35 @@ def main():
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--compile-decode", action="store_true",
                         help="the engine's decode step compiled (RL2/rollout/compiled_decode.py)")
+    parser.add_argument("--no-small-gemm", dest="small_gemm", action="store_false",
+                        help="decode-step products on oneDNN, not RL2's AVX-512 kernel")
+    parser.add_argument("--ab-small-gemm", action="store_true",
+                        help="also time an engine without the kernel, alternating in this run")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model = build_model(args)
-    engine = TorchEngine(model, None, compile_decode=args.compile_decode)
+    engine = TorchEngine(model, None, compile_decode=args.compile_decode, small_gemm=args.small_gemm)
+    other = TorchEngine(model, None, compile_decode=args.compile_decode,
+                        small_gemm=False) if args.ab_small_gemm else None
     rows = []
     workloads = [("(a) one batch", bench_one_batch),
                  ("(a') one batch, mixed responses", bench_one_batch_mixed_responses),
                  ("(b) multi-turn staggered", bench_multi_turn)]
     for name, bench in workloads:
         tokens, run_hf, run_engine = bench(model, engine, args)
-        t_hf, t_engine = timed([run_hf, run_engine], args.repeats)
-        rows.append((name, tokens, tokens / t_engine, tokens / t_hf))
+        fns = [run_hf, run_engine] + ([bench(model, other, args)[2]] if other else [])
+        t_hf, t_engine, *t_other = timed(fns, args.repeats)
+        rows.append((name, tokens, tokens / t_engine, tokens / t_hf, [tokens / t for t in t_other]))
     cfg = model.config
     name = f"{args.model} ({cfg.model_type}), " if args.model else ""
     print(f"model: {name}hidden {cfg.hidden_size}, layers {cfg.num_hidden_layers}, vocab {cfg.vocab_size}; "
-          f"threads {args.threads}; median of {args.repeats}")
-    print(f"{'workload':<34}{'tokens':>8}{'engine tok/s':>14}{'HF tok/s':>12}{'engine/HF':>11}")
-    for name, tokens, eng, hf in rows:
-        print(f"{name:<34}{tokens:>8}{eng:>14.0f}{hf:>12.0f}{eng / hf:>11.2f}")
+          f"threads {args.threads}; median of {args.repeats}; "
+          f"small_gemm {getattr(getattr(engine.runner, 'linear', None), 'small', False)}")
+    extra = f"{'oneDNN engine':>15}{'/HF':>6}" if other else ""
+    print(f"{'workload':<34}{'tokens':>8}{'engine tok/s':>14}{'HF tok/s':>12}{'engine/HF':>11}{extra}")
+    for name, tokens, eng, hf, off in rows:
+        extra = "".join(f"{o:>15.0f}{o / hf:>6.2f}" for o in off)
+        print(f"{name:<34}{tokens:>8}{eng:>14.0f}{hf:>12.0f}{eng / hf:>11.2f}{extra}")
 
 
 if __name__ == "__main__":

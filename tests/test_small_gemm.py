@@ -33,7 +33,7 @@ def test_the_kernel_builds_where_it_can():
 
 @needs_kernel
 @pytest.mark.parametrize("n,k", [(1024, 512), (100, 37), (17, 64), (3, 5), (48, 1536)])
-@pytest.mark.parametrize("rows", [1, 7, 16, 24])
+@pytest.mark.parametrize("rows", [1, 7, 13, 16, 40, 64])
 @pytest.mark.parametrize("bias", [False, True])
 def test_products_match_f_linear(n, k, rows, bias):
     g = torch.Generator().manual_seed(n * 1000 + k + rows)
@@ -49,7 +49,7 @@ def test_products_match_f_linear(n, k, rows, bias):
 @needs_kernel
 def test_batched_input_and_more_rows_than_a_strip_takes():
     w, b = torch.randn(40, 24), torch.randn(40)
-    x = torch.randn(3, 11, 24)  # 33 rows: strips of 16, 16 and 1 rows
+    x = torch.randn(3, 11, 24)  # 33 rows: passes of 12, 12 and 9 rows over one panel
     torch.testing.assert_close(small_gemm.linear(x, small_gemm.pack(w), 40, b), F.linear(x, w, b),
                                rtol=1e-5, atol=1e-5)
 

@@ -2,46 +2,75 @@
  *
  * At a decode step's few rows the product is bound by reading the weights. Each weight is read
  * from memory once per call: W comes repacked into strips of 16 output columns (strip s holds
- * W[16s : 16s + 16, :]^T as K rows of 16 floats, zero rows past N; small_gemm.py packs it), and
- * up to 16 rows of x are multiplied against a strip at once, one zmm accumulator per row.
- * Strips are shared out among OpenMP threads (PyTorch's own libgomp: small_gemm.py links it).
- * Sums run over k in order, one fused multiply-add per step: fp32 throughout, rounded differently
- * from a blocked BLAS. Built by small_gemm.py with -O3 -mavx512f -mfma -fopenmp. */
+ * W[16s : 16s + 16, :]^T as K rows of 16 floats, zero rows past N; small_gemm.py packs it). A
+ * panel is two adjacent strips (32 columns, the last panel may be one strip); up to 12 rows of x
+ * are multiplied against a panel at once, one zmm accumulator per row and strip (24 of the 32
+ * registers), and further rows re-read the panel from cache. Panels are shared out among OpenMP
+ * threads (PyTorch's own libgomp: small_gemm.py links it). Sums run over k in order, one fused
+ * multiply-add per step: fp32 throughout, rounded differently from a blocked BLAS, and the same
+ * bits with any thread count. Built by small_gemm.py with -O3 -mavx512f -mfma -fopenmp. */
 #include <immintrin.h>
 #include <stdint.h>
 
-#define STRIP(R)                                                                                 \
-  static void strip_##R(const float* x, int64_t K, const float* w, float* y, int64_t ldy,       \
-                        const float* bias, __mmask16 mask) {                                     \
-    __m512 acc[R];                                                                               \
-    __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias) : _mm512_setzero_ps();                   \
-    for (int r = 0; r < R; r++) acc[r] = b;                                                      \
-    for (int64_t k = 0; k < K; k++) {                                                            \
-      _mm_prefetch((const char*)(w + (k + 16) * 16), _MM_HINT_T0); /* 1 KiB ahead */             \
-      __m512 wk = _mm512_loadu_ps(w + k * 16);                                                   \
-      for (int r = 0; r < R; r++) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * K + k]), wk, acc[r]); \
-    }                                                                                            \
-    for (int r = 0; r < R; r++) _mm512_mask_storeu_ps(y + r * ldy, mask, acc[r]);                \
-  }
-STRIP(1) STRIP(2) STRIP(3) STRIP(4) STRIP(5) STRIP(6) STRIP(7) STRIP(8)
-STRIP(9) STRIP(10) STRIP(11) STRIP(12) STRIP(13) STRIP(14) STRIP(15) STRIP(16)
+#define ROWS 12 /* rows per pass */
+#define AHEAD 16 /* prefetch distance in k (1 KiB of a strip) */
 
-typedef void (*strip_fn)(const float*, int64_t, const float*, float*, int64_t, const float*, __mmask16);
-static const strip_fn STRIPS[17] = {0, strip_1, strip_2, strip_3, strip_4, strip_5, strip_6,
-                                    strip_7, strip_8, strip_9, strip_10, strip_11, strip_12,
-                                    strip_13, strip_14, strip_15, strip_16};
+/* R rows against strips w0 and w1 (w1 NULL: one strip); mask: valid columns of the last one */
+#define PANEL(R)                                                                                 \
+  static void panel_##R(const float* x, int64_t K, const float* w0, const float* w1, float* y,  \
+                        int64_t ldy, const float* bias, __mmask16 mask) {                        \
+    __m512 a0[R], a1[R];                                                                         \
+    __mmask16 m0 = w1 ? (__mmask16)0xFFFF : mask;                                                \
+    __m512 b0 = bias ? _mm512_maskz_loadu_ps(m0, bias) : _mm512_setzero_ps();                    \
+    __m512 b1 = bias && w1 ? _mm512_maskz_loadu_ps(mask, bias + 16) : _mm512_setzero_ps();       \
+    for (int r = 0; r < R; r++) { a0[r] = b0; a1[r] = b1; }                                      \
+    if (w1) {                                                                                    \
+      for (int64_t k = 0; k < K; k++) {                                                          \
+        _mm_prefetch((const char*)(w0 + (k + AHEAD) * 16), _MM_HINT_T0);                         \
+        _mm_prefetch((const char*)(w1 + (k + AHEAD) * 16), _MM_HINT_T0);                         \
+        __m512 u = _mm512_loadu_ps(w0 + k * 16), v = _mm512_loadu_ps(w1 + k * 16);               \
+        for (int r = 0; r < R; r++) {                                                            \
+          __m512 s = _mm512_set1_ps(x[r * K + k]);                                               \
+          a0[r] = _mm512_fmadd_ps(s, u, a0[r]);                                                  \
+          a1[r] = _mm512_fmadd_ps(s, v, a1[r]);                                                  \
+        }                                                                                        \
+      }                                                                                          \
+      for (int r = 0; r < R; r++) {                                                              \
+        _mm512_storeu_ps(y + r * ldy, a0[r]);                                                    \
+        _mm512_mask_storeu_ps(y + r * ldy + 16, mask, a1[r]);                                    \
+      }                                                                                          \
+    } else {                                                                                     \
+      for (int64_t k = 0; k < K; k++) {                                                          \
+        _mm_prefetch((const char*)(w0 + (k + AHEAD) * 16), _MM_HINT_T0);                         \
+        __m512 u = _mm512_loadu_ps(w0 + k * 16);                                                 \
+        for (int r = 0; r < R; r++) a0[r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * K + k]), u, a0[r]); \
+      }                                                                                          \
+      for (int r = 0; r < R; r++) _mm512_mask_storeu_ps(y + r * ldy, mask, a0[r]);               \
+    }                                                                                            \
+  }
+PANEL(1) PANEL(2) PANEL(3) PANEL(4) PANEL(5) PANEL(6)
+PANEL(7) PANEL(8) PANEL(9) PANEL(10) PANEL(11) PANEL(12)
+
+typedef void (*panel_fn)(const float*, int64_t, const float*, const float*, float*, int64_t,
+                         const float*, __mmask16);
+static const panel_fn PANELS[ROWS + 1] = {0, panel_1, panel_2, panel_3, panel_4, panel_5, panel_6,
+                                          panel_7, panel_8, panel_9, panel_10, panel_11, panel_12};
 
 /* x: M x K row-major; w: ceil(N / 16) strips; bias: N floats or NULL; y: M x N row-major. */
 void rl2_small_gemm(const float* x, int64_t M, int64_t K, const float* w, int64_t N,
                     const float* bias, float* y, int threads) {
-  int64_t strips = (N + 15) / 16;
+  int64_t strips = (N + 15) / 16, panels = (strips + 1) / 2;
 #pragma omp parallel for num_threads(threads) schedule(static)
-  for (int64_t s = 0; s < strips; s++) {
-    int64_t n0 = s * 16, width = N - n0 < 16 ? N - n0 : 16;
-    __mmask16 mask = (__mmask16)((1u << width) - 1u);
-    for (int64_t m = 0; m < M; m += 16) {  /* more than 16 rows: the strip is re-read from cache */
-      int64_t rows = M - m < 16 ? M - m : 16;
-      STRIPS[rows](x + m * K, K, w + n0 * K, y + m * N + n0, N, bias ? bias + n0 : 0, mask);
+  for (int64_t p = 0; p < panels; p++) {
+    int64_t s = 2 * p, n0 = 16 * s;
+    int two = s + 1 < strips;
+    int64_t last = N - 16 * (s + two); /* columns in the panel's last strip */
+    __mmask16 mask = (__mmask16)(last >= 16 ? 0xFFFF : (1u << last) - 1u);
+    const float* w0 = w + s * 16 * K;
+    const float* w1 = two ? w0 + 16 * K : 0;
+    for (int64_t m = 0; m < M; m += ROWS) {
+      int64_t rows = M - m < ROWS ? M - m : ROWS;
+      PANELS[rows](x + m * K, K, w0, w1, y + m * N + n0, N, bias ? bias + n0 : 0, mask);
     }
   }
 }

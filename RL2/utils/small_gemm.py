@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 logger = logging.getLogger(__name__)
 
-MAX_ROWS = 24  # at most this many rows per product; more go to oneDNN (crossover ~32, fix 25)
+MAX_ROWS = 64  # at most this many rows per product; more go to oneDNN (crossover ~100, fix 25)
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "small_gemm.c")
 CFLAGS = ["-O3", "-mavx512f", "-mfma", "-fopenmp", "-fPIC"]
 
@@ -109,6 +109,8 @@ def load():
     cc = _compiler()
     if cc is None:
         return None, "no C compiler (set CC, or install gcc)"
+    if not os.path.exists(SOURCE):
+        return None, f"{SOURCE} is missing from the installed package"
     with open(SOURCE, "rb") as f:
         key = hashlib.sha256(f.read() + repr((cc, CFLAGS, gomp)).encode()).hexdigest()[:16]
     path = os.path.join(cache_dir(), f"small_gemm-{key}.so")

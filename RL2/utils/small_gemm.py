@@ -1,12 +1,12 @@
 """The CPU engine's decode-step linear layers (<= MAX_ROWS rows) through RL2's AVX-512 kernel.
 
 Why a kernel of our own: at a decode step's few rows a linear layer is bound by reading its
-weights, and the libraries at hand do not stream them at the machine's rate there. On the
-2-core Intel Xeon of benchmarks/README.md (fix 25) the model's linear layers at 16 rows took
-7.1-7.4 ms through `small_gemm.c` against 9.6-9.7 ms through oneDNN's packed weights (1.3x;
-1.3x at 1-24 rows, even at 32, slower beyond: more rows go to oneDNN), and the small ops
-after each product ran faster too (the kernel drags less through the caches). oneDNN stays for
-prefill-sized products; MKL re-packs every weight on every call.
+weights, and the libraries at hand (oneDNN, MKL, inductor's GEMM templates) do not stream them
+at the machine's rate there. On the 2-core Intel Xeon of benchmarks/README.md (fix 25) the
+25.7M model's linear layers at 16 rows took 7.95 ms through `small_gemm.c` against 11.08 ms
+through oneDNN's packed weights (1.15-1.67x at 1-64 rows), and the small ops after each
+product ran faster too (the kernel drags less through the caches). Products of more rows
+(prefill) stay on oneDNN, so the engine holds both packed copies of its weights.
 
 The C source ships with the package and is compiled on first use with the system's C compiler
 (`$CC`, else gcc / cc; about a second) into `$RL2_CACHE_DIR` (default `~/.cache/rl2`), keyed by

@@ -37,7 +37,7 @@ class KVRunner:
         self.linear = PackedLinears(enabled=onednn, small=small_gemm and cpu)
         self.graphed = self.compiled = None
         if compile_decode:
-            if torch.device(device).type != "cpu":
+            if not cpu:
                 raise ValueError("compile_decode is for the CPU engine; on CUDA use cuda_graph")
             from RL2.rollout.compiled_decode import CompiledDecode  # registers its op: only if used
 

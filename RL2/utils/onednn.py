@@ -34,14 +34,7 @@ CHOICES = ("auto", "onednn", "aten")
 
 def cpu_vendor() -> str:
     """The x86 vendor string of this machine's CPU ("AuthenticAMD", "GenuineIntel"), else ""."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("vendor_id"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""
+    return small_gemm.cpuinfo("vendor_id")
 
 
 def resolve(choice: str, training: bool = True) -> str:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
-import logging
 import os
 import shutil
 import subprocess
@@ -30,22 +29,25 @@ from functools import lru_cache
 import torch
 import torch.nn.functional as F
 
-logger = logging.getLogger(__name__)
-
 MAX_ROWS = 64  # at most this many rows per product; more go to oneDNN (crossover ~100, fix 25)
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "small_gemm.c")
 CFLAGS = ["-O3", "-mavx512f", "-mfma", "-fopenmp", "-fPIC"]
 
 
-def cpu_flags() -> set[str]:
+def cpuinfo(key: str) -> str:
+    """The value of the first `key` line of /proc/cpuinfo ("vendor_id", "flags"), else ""."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
+                if line.startswith(key):
+                    return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return set()
+    return ""
+
+
+def cpu_flags() -> set[str]:
+    return set(cpuinfo("flags").split())
 
 
 def openmp_libraries(maps: str | None = None) -> set[str]:

@@ -69,6 +69,43 @@ def test_same_bits_with_any_thread_count():
     assert all(torch.equal(outs[0], o) for o in outs[1:])
 
 
+@needs_kernel
+@pytest.mark.parametrize("n,k", [(1024, 512), (100, 37), (17, 64), (3, 5)])
+@pytest.mark.parametrize("rows", [1, 13, 16, 64])
+def test_fused_norm_and_residual_match_the_eager_ops(n, k, rows):
+    # what a decoder layer does around its products: res + linear(RMSNorm(x))
+    g = torch.Generator().manual_seed(n + k + rows)
+    w, b, nw = torch.randn(n, k, generator=g), torch.randn(n, generator=g), torch.randn(k, generator=g)
+    x, res = torch.randn(rows, k, generator=g) * 3, torch.randn(rows, n, generator=g)
+    packed, tol = small_gemm.pack(w), dict(rtol=1e-5, atol=8e-6 * k ** 0.5)
+    normed = F.rms_norm(x, (k,), nw, 1e-6)
+    torch.testing.assert_close(small_gemm.linear(x, packed, n, b, norm=(nw, 1e-6)),
+                               F.linear(normed, w, b), **tol)
+    torch.testing.assert_close(small_gemm.linear(x, packed, n, b, res=res), res + F.linear(x, w, b),
+                               **tol)
+    torch.testing.assert_close(small_gemm.linear(x, packed, n, None, res, (nw, 1e-6)),
+                               res + F.linear(normed, w), **tol)
+    # the norm's rows are shared out among threads, the panels after a barrier: same bits
+    before = torch.get_num_threads()
+    try:
+        outs = []
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            outs.append(small_gemm.linear(x, packed, n, b, res, (nw, 1e-6)))
+    finally:
+        torch.set_num_threads(before)
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
+
+
+@needs_kernel
+def test_fused_arguments_of_the_wrong_shape_are_refused():
+    w, x = torch.randn(8, 16), torch.randn(2, 16)
+    with pytest.raises(ValueError, match="residual"):
+        small_gemm.linear(x, small_gemm.pack(w), 8, res=torch.randn(2, 7))
+    with pytest.raises(ValueError, match="norm weight"):
+        small_gemm.linear(x, small_gemm.pack(w), 8, norm=(torch.randn(15), 1e-6))
+
+
 def test_eligibility():
     w = torch.randn(32, 8)
     assert small_gemm.eligible(torch.randn(small_gemm.MAX_ROWS, 8), w)
@@ -119,6 +156,43 @@ def test_packed_linears_route_few_rows_to_the_kernel_and_the_rest_to_onednn():
     off = onednn.PackedLinears()
     off(x, o)
     assert not off.small and not off._strips
+    # fused norm / residual: the kernel's few rows only; None tells the caller to do them itself
+    nw, res = torch.randn(64), torch.randn(4, 64)
+    torch.testing.assert_close(pl.fused(x, (o,), norm=(nw, 1e-6), res=res),
+                               res + o(F.rms_norm(x, (64,), nw, 1e-6)), rtol=1e-5, atol=1e-5)
+    assert pl.fused(torch.randn(small_gemm.MAX_ROWS + 1, 64), (o,), res=res) is None
+    assert off.fused(x, (o,), res=res) is None
+
+
+@needs_kernel
+def test_decoder_layer_with_fused_norms_and_residuals_matches_hf():
+    # llama_forward hands each layer's RMSNorms and residual adds to the kernel (fused) when it
+    # takes the product: the prefill (90 rows: oneDNN, unfused) and the decode steps (fused)
+    # must both still give HF's logits
+    from RL2.rollout import llama_forward
+    from RL2.rollout.kv_cache import BatchKV
+
+    model = _model(5)
+    pl, calls = onednn.PackedLinears(small=True), []
+    fused = pl.fused
+    pl.fused = lambda *a, **kw: calls.append(kw) or fused(*a, **kw)
+    ids = torch.randint(4, 512, (3, 34), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = model(ids).logits
+    logits, keys, values, lens = llama_forward.prefill(model, [r[:30].tolist() for r in ids],
+                                                       [None] * 3, "cpu", pl)
+    kv = BatchKV()
+    kv.add(keys, values, lens, room=8)
+    got = [logits]
+    for j in range(30, 34):
+        kv.reserve(1)
+        got.append(llama_forward.decode(model, ids[:, j], kv, pl))
+        kv.advance()
+    torch.testing.assert_close(torch.stack(got, 1), want[:, 29:], rtol=1e-4, atol=1e-4)
+    # per layer two normed products and two residual adds, plus the final norm, offered by each
+    # of the 5 passes (the kernel declines the prefill's 90-row products: None, then eager ops)
+    assert sum("norm" in kw for kw in calls) == (4 + 1) * (2 * 2 + 1)
+    assert sum("res" in kw for kw in calls) == (4 + 1) * 2 * 2
 
 
 def _model(seed):

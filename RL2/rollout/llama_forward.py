@@ -49,10 +49,26 @@ def _linear(x: torch.Tensor, proj) -> torch.Tensor:
     return F.linear(x, proj.weight, proj.bias)
 
 
-def _project(linear, x: torch.Tensor, projs: tuple) -> list[torch.Tensor]:
-    """Several projections of one input; one stacked product when `linear` offers it."""
+def _project(linear, x: torch.Tensor, projs: tuple, norm=None) -> list[torch.Tensor]:
+    """Several projections of one input (RMS-normalised first by the module `norm`, if given);
+    one stacked product when `linear` offers it, with the norm inside it when `linear.fused`
+    takes it (RL2's CPU kernel, fp32: the norm's eager ops cost more than its arithmetic)."""
+    fused = getattr(linear, "fused", None)
+    if norm is not None and fused is not None and x.dtype == torch.float32:
+        y = fused(x, projs, norm=(norm.weight, norm.variance_epsilon))
+        if y is not None:
+            return list(y.split([p.weight.shape[0] for p in projs], dim=-1))
+    if norm is not None:
+        x = _norm(norm, x)
     many = getattr(linear, "many", None)
     return many(x, projs) if many else [linear(x, p) for p in projs]
+
+
+def _add_linear(linear, res: torch.Tensor, x: torch.Tensor, proj) -> torch.Tensor:
+    """res + linear(x, proj), the add inside the product when `linear.fused` takes it."""
+    fused = getattr(linear, "fused", None)
+    y = fused(x, (proj,), res=res) if fused is not None else None
+    return res + linear(x, proj) if y is None else y
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -73,9 +89,8 @@ def _qkv(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, linear=_l
     """Rotated queries and keys, and values, as [tokens, heads, head_dim] (x: [tokens, hidden])."""
     attn = layer.self_attn
     d, n = attn.head_dim, x.shape[0]
-    h = _norm(layer.input_layernorm, x)
-    q, k, v = (t.reshape(n, -1, d) for t in _project(linear, h, (attn.q_proj, attn.k_proj,
-                                                                 attn.v_proj)))
+    q, k, v = (t.reshape(n, -1, d) for t in _project(
+        linear, x, (attn.q_proj, attn.k_proj, attn.v_proj), norm=layer.input_layernorm))
     if hasattr(attn, "q_norm"):  # Qwen3: per-head RMSNorm before RoPE
         q, k = _norm(attn.q_norm, q), _norm(attn.k_norm, k)
     qk = _rotate(torch.cat([q, k], dim=1), cos, sin)  # one elementwise pass for both
@@ -84,11 +99,10 @@ def _qkv(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, linear=_l
 
 def _finish_layer(layer, x: torch.Tensor, attn_out: torch.Tensor, linear=_linear) -> torch.Tensor:
     """Output projection, residuals and MLP of one decoder layer (x: the layer's input)."""
-    x = x + linear(attn_out, layer.self_attn.o_proj)
-    h = _norm(layer.post_attention_layernorm, x)
+    x = _add_linear(linear, x, attn_out, layer.self_attn.o_proj)
     mlp = layer.mlp
-    gate, up = _project(linear, h, (mlp.gate_proj, mlp.up_proj))
-    return x + linear(F.silu(gate) * up, mlp.down_proj)
+    gate, up = _project(linear, x, (mlp.gate_proj, mlp.up_proj), norm=layer.post_attention_layernorm)
+    return _add_linear(linear, x, F.silu(gate) * up, mlp.down_proj)
 
 
 def linear_groups(model) -> list[tuple]:
@@ -105,9 +119,10 @@ def linear_groups(model) -> list[tuple]:
 
 
 def _logits(model, x: torch.Tensor, linear=_linear) -> torch.Tensor:
-    h = _norm(model.model.norm, x)
     head = model.lm_head
-    return linear(h, head) if isinstance(head, torch.nn.Linear) else head(h)
+    if isinstance(head, torch.nn.Linear):
+        return _project(linear, x, (head,), norm=model.model.norm)[0]
+    return head(_norm(model.model.norm, x))
 
 
 @torch.inference_mode()

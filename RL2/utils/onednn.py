@@ -135,17 +135,46 @@ class PackedLinears:
         w = proj.weight
         if not self.enabled or not _eligible(x, w) or x.numel() == 0:
             return F.linear(x, w, proj.bias)
-        if self.small and small_gemm.eligible(x, w):
-            entry = self._strips.get(proj)
-            if entry is None or entry[0] != w.data_ptr():
-                entry = (w.data_ptr(), small_gemm.pack(w))
-                self._strips[proj] = entry
-            return small_gemm.linear(x, entry[1], w.shape[0], proj.bias)
+        kernel = self._kernel_weights(x, (proj,))
+        if kernel is not None:
+            return small_gemm.linear(x, *kernel)
         entry = self._packed.get(proj)
         if entry is None or entry[0] != w.data_ptr():
             entry = (w.data_ptr(), torch.ops.mkldnn._reorder_linear_weight(w.detach(), None))
             self._packed[proj] = entry
         return _mm(x, entry[1], proj.bias)
+
+    def fused(self, x: torch.Tensor, projs: tuple, norm: tuple | None = None,
+              res: torch.Tensor | None = None) -> torch.Tensor | None:
+        """res + stacked(RMSNorm(x), projs) in one call of RL2's kernel (norm: (weight, eps), or
+        None for x itself; res: None or a tensor shaped like the output), or None when the
+        kernel does not take this product: the caller then runs the norm and the add itself."""
+        kernel = self._kernel_weights(x, projs) if self.enabled else None
+        return None if kernel is None else small_gemm.linear(x, *kernel, res=res, norm=norm)
+
+    def _kernel_weights(self, x: torch.Tensor, projs: tuple) -> tuple | None:
+        """(strips, output features, bias) of `projs` stacked, packed for RL2's kernel on first
+        use, or None when the kernel does not take x @ these weights."""
+        ws = [p.weight for p in projs]
+        if not (self.small and small_gemm.eligible(x, ws[0])):
+            return None
+        if len(projs) == 1:  # keyed by the module, its bias read live
+            entry = self._strips.get(projs[0])
+            if entry is None or entry[0] != ws[0].data_ptr():
+                if not _eligible(x, ws[0]):
+                    return None
+                entry = (ws[0].data_ptr(), small_gemm.pack(ws[0]))
+                self._strips[projs[0]] = entry
+            return entry[1], ws[0].shape[0], projs[0].bias
+        key = tuple(w.data_ptr() for w in ws)
+        entry = self._strips.get(projs)
+        if entry is None or entry[0] != key:
+            if not all(_eligible(x, w) for w in ws):
+                return None
+            stacked, bias = _stack(projs)
+            entry = (key, small_gemm.pack(stacked), stacked.shape[0], bias)
+            self._strips[projs] = entry
+        return entry[1:]
 
     def many(self, x: torch.Tensor, projs: tuple) -> list[torch.Tensor]:
         """[proj(x) for proj in projs] as ONE product with the weights stacked (q/k/v, gate/up):
@@ -161,15 +190,9 @@ class PackedLinears:
             return self(x, projs[0])
         ws = [p.weight for p in projs]
         key = tuple(w.data_ptr() for w in ws)
-        if self.small and small_gemm.eligible(x, ws[0]):
-            entry = self._strips.get(projs)
-            if entry is None or entry[0] != key:
-                if not all(_eligible(x, w) for w in ws):
-                    return torch.cat([self(x, p) for p in projs], dim=-1)
-                stacked, bias = _stack(projs)
-                entry = (key, small_gemm.pack(stacked), bias, stacked.shape[0])
-                self._strips[projs] = entry
-            return small_gemm.linear(x, entry[1], entry[3], entry[2])
+        kernel = self._kernel_weights(x, projs)
+        if kernel is not None:
+            return small_gemm.linear(x, *kernel)
         entry = self._packed.get(projs)
         # a decode step calls this ~30 times: when these very weights are packed, only x is
         # checked (what _eligible checks of the weights held when they were packed)

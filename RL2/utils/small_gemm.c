@@ -1,4 +1,5 @@
-/* y[M, N] = x[M, K] @ W[N, K]^T (+ bias), fp32, AVX-512: the linear layers of a CPU decode step.
+/* y[M, N] = x[M, K] @ W[N, K]^T (+ bias) (+ res), fp32, AVX-512: the linear layers of a CPU
+ * decode step, optionally with the RMSNorm before them and the residual add after them.
  *
  * At a decode step's few rows the product is bound by reading the weights. Each weight is read
  * from memory once per call: W comes repacked into strips of 16 output columns (strip s holds
@@ -8,17 +9,22 @@
  * registers), and further rows re-read the panel from cache. Panels are shared out among OpenMP
  * threads (PyTorch's own libgomp: small_gemm.py links it). Sums run over k in order, one fused
  * multiply-add per step: fp32 throughout, rounded differently from a blocked BLAS, and the same
- * bits with any thread count. Built by small_gemm.py with -O3 -mavx512f -mfma -fopenmp. */
+ * bits with any thread count. Built by small_gemm.py with -O3 -mavx512f -mfma -fopenmp.
+ *
+ * The fused norm and residual save the decode step a few eager PyTorch ops per layer, each
+ * slowed by the weight stream that just went through the caches (benchmarks/README.md, fix 26). */
 #include <immintrin.h>
+#include <math.h>
 #include <stdint.h>
 
 #define ROWS 12 /* rows per pass */
 #define AHEAD 16 /* prefetch distance in k (1 KiB of a strip) */
 
-/* R rows against strips w0 and w1 (w1 NULL: one strip); mask: valid columns of the last one */
+/* R rows against strips w0 and w1 (w1 NULL: one strip); mask: valid columns of the last one;
+ * res (NULL: none) is added to the product last, as `res + linear(x)` rounds */
 #define PANEL(R)                                                                                 \
   static void panel_##R(const float* x, int64_t K, const float* w0, const float* w1, float* y,  \
-                        int64_t ldy, const float* bias, __mmask16 mask) {                        \
+                        int64_t ldy, const float* bias, const float* res, __mmask16 mask) {      \
     __m512 a0[R], a1[R];                                                                         \
     __mmask16 m0 = w1 ? (__mmask16)0xFFFF : mask;                                                \
     __m512 b0 = bias ? _mm512_maskz_loadu_ps(m0, bias) : _mm512_setzero_ps();                    \
@@ -36,6 +42,10 @@
         }                                                                                        \
       }                                                                                          \
       for (int r = 0; r < R; r++) {                                                              \
+        if (res) {                                                                               \
+          a0[r] = _mm512_add_ps(_mm512_loadu_ps(res + r * ldy), a0[r]);                          \
+          a1[r] = _mm512_add_ps(_mm512_maskz_loadu_ps(mask, res + r * ldy + 16), a1[r]);         \
+        }                                                                                        \
         _mm512_storeu_ps(y + r * ldy, a0[r]);                                                    \
         _mm512_mask_storeu_ps(y + r * ldy + 16, mask, a1[r]);                                    \
       }                                                                                          \
@@ -45,32 +55,64 @@
         __m512 u = _mm512_loadu_ps(w0 + k * 16);                                                 \
         for (int r = 0; r < R; r++) a0[r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * K + k]), u, a0[r]); \
       }                                                                                          \
-      for (int r = 0; r < R; r++) _mm512_mask_storeu_ps(y + r * ldy, mask, a0[r]);               \
+      for (int r = 0; r < R; r++) {                                                              \
+        if (res) a0[r] = _mm512_add_ps(_mm512_maskz_loadu_ps(mask, res + r * ldy), a0[r]);       \
+        _mm512_mask_storeu_ps(y + r * ldy, mask, a0[r]);                                         \
+      }                                                                                          \
     }                                                                                            \
   }
 PANEL(1) PANEL(2) PANEL(3) PANEL(4) PANEL(5) PANEL(6)
 PANEL(7) PANEL(8) PANEL(9) PANEL(10) PANEL(11) PANEL(12)
 
 typedef void (*panel_fn)(const float*, int64_t, const float*, const float*, float*, int64_t,
-                         const float*, __mmask16);
+                         const float*, const float*, __mmask16);
 static const panel_fn PANELS[ROWS + 1] = {0, panel_1, panel_2, panel_3, panel_4, panel_5, panel_6,
                                           panel_7, panel_8, panel_9, panel_10, panel_11, panel_12};
 
-/* x: M x K row-major; w: ceil(N / 16) strips; bias: N floats or NULL; y: M x N row-major. */
+/* h = x / sqrt(mean(x^2) + eps) * norm_w, one row of K (HF's fp32 RMSNorm, summed in another order) */
+static void rms_row(const float* x, int64_t K, const float* norm_w, float eps, float* h) {
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 16) {
+    __mmask16 m = K - k >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (K - k)) - 1u);
+    __m512 v = _mm512_maskz_loadu_ps(m, x + k);
+    acc = _mm512_fmadd_ps(v, v, acc);
+  }
+  float r = 1.0f / sqrtf(_mm512_reduce_add_ps(acc) / (float)K + eps);
+  __m512 rv = _mm512_set1_ps(r);
+  for (int64_t k = 0; k < K; k += 16) {
+    __mmask16 m = K - k >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (K - k)) - 1u);
+    __m512 v = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, x + k), rv);
+    _mm512_mask_storeu_ps(h + k, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, norm_w + k), v));
+  }
+}
+
+/* x: M x K row-major; w: ceil(N / 16) strips; bias: N floats or NULL; res: M x N or NULL, added
+ * last; norm_w: K floats or NULL, then x is RMS-normalised first (eps) into h (M x K scratch);
+ * y: M x N row-major. */
 void rl2_small_gemm(const float* x, int64_t M, int64_t K, const float* w, int64_t N,
-                    const float* bias, float* y, int threads) {
+                    const float* bias, const float* res, const float* norm_w, float eps, float* h,
+                    float* y, int threads) {
   int64_t strips = (N + 15) / 16, panels = (strips + 1) / 2;
-#pragma omp parallel for num_threads(threads) schedule(static)
-  for (int64_t p = 0; p < panels; p++) {
-    int64_t s = 2 * p, n0 = 16 * s;
-    int two = s + 1 < strips;
-    int64_t last = N - 16 * (s + two); /* columns in the panel's last strip */
-    __mmask16 mask = (__mmask16)(last >= 16 ? 0xFFFF : (1u << last) - 1u);
-    const float* w0 = w + s * 16 * K;
-    const float* w1 = two ? w0 + 16 * K : 0;
-    for (int64_t m = 0; m < M; m += ROWS) {
-      int64_t rows = M - m < ROWS ? M - m : ROWS;
-      PANELS[rows](x + m * K, K, w0, w1, y + m * N + n0, N, bias ? bias + n0 : 0, mask);
+  const float* a = norm_w ? h : x;
+#pragma omp parallel num_threads(threads)
+  {
+    if (norm_w) {
+#pragma omp for schedule(static)
+      for (int64_t m = 0; m < M; m++) rms_row(x + m * K, K, norm_w, eps, h + m * K);
+    } /* the loop's barrier: every row is normalised before any panel reads it */
+#pragma omp for schedule(static)
+    for (int64_t p = 0; p < panels; p++) {
+      int64_t s = 2 * p, n0 = 16 * s;
+      int two = s + 1 < strips;
+      int64_t last = N - 16 * (s + two); /* columns in the panel's last strip */
+      __mmask16 mask = (__mmask16)(last >= 16 ? 0xFFFF : (1u << last) - 1u);
+      const float* w0 = w + s * 16 * K;
+      const float* w1 = two ? w0 + 16 * K : 0;
+      for (int64_t m = 0; m < M; m += ROWS) {
+        int64_t rows = M - m < ROWS ? M - m : ROWS;
+        PANELS[rows](a + m * K, K, w0, w1, y + m * N + n0, N, bias ? bias + n0 : 0,
+                     res ? res + m * N + n0 : 0, mask);
+      }
     }
   }
 }

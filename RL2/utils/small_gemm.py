@@ -83,7 +83,7 @@ def _build(cc: str, gomp: str, out: str) -> None:
         obj, lib = os.path.join(tmp, "k.o"), os.path.join(tmp, "k.so")
         # linked to PyTorch's libgomp by path (not -lgomp): one OpenMP thread pool in the process
         for cmd in ([cc, *CFLAGS, "-c", SOURCE, "-o", obj],
-                    [cc, "-shared", obj, gomp, f"-Wl,-rpath,{os.path.dirname(gomp)}", "-o", lib]):
+                    [cc, "-shared", obj, gomp, f"-Wl,-rpath,{os.path.dirname(gomp)}", "-lm", "-o", lib]):
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
             if done.returncode:
                 raise RuntimeError(f"`{' '.join(cmd)}` failed: {done.stderr.strip()[-400:]}")
@@ -93,9 +93,11 @@ def _build(cc: str, gomp: str, out: str) -> None:
 def _self_check(lib) -> None:
     g = torch.Generator().manual_seed(0)
     w, b = torch.randn(40, 33, generator=g), torch.randn(40, generator=g)
-    x = torch.randn(5, 33, generator=g)
-    y = _call(lib, x, pack(w), 40, b)
-    if not torch.allclose(y, F.linear(x, w, b), rtol=1e-4, atol=1e-4):
+    x, res, nw = torch.randn(5, 33, generator=g), torch.randn(5, 40, generator=g), torch.randn(33, generator=g)
+    want = res + F.linear(F.rms_norm(x, (33,), nw, 1e-6), w, b)
+    y = _call(lib, x, pack(w), 40, b, res, (nw, 1e-6))
+    if not (torch.allclose(y, want, rtol=1e-4, atol=1e-4)
+            and torch.allclose(_call(lib, x, pack(w), 40, b), F.linear(x, w, b), rtol=1e-4, atol=1e-4)):
         raise RuntimeError("the built kernel's products differ from torch's")
 
 
@@ -121,7 +123,7 @@ def load():
             _build(cc, gomp, path)
         lib = ctypes.CDLL(path)
         p, i = ctypes.c_void_p, ctypes.c_int64
-        lib.rl2_small_gemm.argtypes = [p, i, i, p, i, p, p, ctypes.c_int]
+        lib.rl2_small_gemm.argtypes = [p, i, i, p, i, p, p, p, ctypes.c_float, p, p, ctypes.c_int]
         lib.rl2_small_gemm.restype = None
         if len(openmp_libraries()) != 1:
             return None, "loading the kernel brought a second OpenMP runtime"
@@ -150,17 +152,31 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     return w.reshape(-1, 16, k).transpose(1, 2).contiguous()
 
 
-def _call(lib, x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None) -> torch.Tensor:
+def _call(lib, x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None,
+          res: torch.Tensor | None = None, norm: tuple | None = None) -> torch.Tensor:
     k = x.shape[-1]
     x = x.contiguous()
+    y = torch.empty(*x.shape[:-1], n, dtype=x.dtype)
+    ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
     if bias is not None:
         bias = bias.detach().contiguous()
-    y = torch.empty(*x.shape[:-1], n, dtype=x.dtype)
-    lib.rl2_small_gemm(x.data_ptr(), x.numel() // k, k, packed.data_ptr(), n,
-                       None if bias is None else bias.data_ptr(), y.data_ptr(), torch.get_num_threads())
+    if res is not None:
+        res = res.contiguous()
+        if res.shape != y.shape or res.dtype != y.dtype:
+            raise ValueError(f"residual {tuple(res.shape)} {res.dtype}: expected {tuple(y.shape)} {y.dtype}")
+    norm_w, eps, h = None, 0.0, None
+    if norm is not None:
+        norm_w, eps = norm[0].detach().contiguous(), float(norm[1])
+        if norm_w.shape != (k,) or norm_w.dtype != x.dtype:
+            raise ValueError(f"norm weight {tuple(norm_w.shape)} {norm_w.dtype}: expected ({k},) {x.dtype}")
+        h = torch.empty_like(x)  # the normalised rows, read by every panel
+    lib.rl2_small_gemm(x.data_ptr(), x.numel() // k, k, packed.data_ptr(), n, ptr(bias), ptr(res),
+                       ptr(norm_w), eps, ptr(h), y.data_ptr(), torch.get_num_threads())
     return y
 
 
-def linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] @ W.T (+ bias) -> [..., n], W given as `pack(W)` (n rows). Needs `available()`."""
-    return _call(load()[0], x, packed, n, bias)
+def linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None,
+           res: torch.Tensor | None = None, norm: tuple | None = None) -> torch.Tensor:
+    """res + (x' [..., K] @ W.T + bias) -> [..., n], W given as `pack(W)` (n rows); x' is x, or with
+    norm = (weight [K], eps) x RMS-normalised as HF's fp32 RMSNorm does. Needs `available()`."""
+    return _call(load()[0], x, packed, n, bias, res, norm)

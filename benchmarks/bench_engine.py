@@ -192,12 +192,20 @@ def main():
                         help="decode-step products on oneDNN, not RL2's AVX-512 kernel")
     parser.add_argument("--ab-small-gemm", action="store_true",
                         help="also time an engine without the kernel, alternating in this run")
+    parser.add_argument("--ab-fused", action="store_true",
+                        help="also time an engine whose kernel leaves the RMSNorms and residual "
+                             "adds to eager ops (before fix 26), alternating in this run")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model = build_model(args)
     engine = TorchEngine(model, None, compile_decode=args.compile_decode, small_gemm=args.small_gemm)
-    other = TorchEngine(model, None, compile_decode=args.compile_decode,
-                        small_gemm=False) if args.ab_small_gemm else None
+    other, label = None, ""
+    if args.ab_small_gemm or args.ab_fused:
+        other = TorchEngine(model, None, compile_decode=args.compile_decode,
+                            small_gemm=args.small_gemm and not args.ab_small_gemm)
+        label = "oneDNN engine" if args.ab_small_gemm else "unfused engine"
+        if args.ab_fused:  # llama_forward then runs the norms and adds as eager ops
+            other.runner.linear.fused = None
     rows = []
     workloads = [("(a) one batch", bench_one_batch),
                  ("(a') one batch, mixed responses", bench_one_batch_mixed_responses),
@@ -212,7 +220,7 @@ def main():
     print(f"model: {name}hidden {cfg.hidden_size}, layers {cfg.num_hidden_layers}, vocab {cfg.vocab_size}; "
           f"threads {args.threads}; median of {args.repeats}; "
           f"small_gemm {getattr(getattr(engine.runner, 'linear', None), 'small', False)}")
-    extra = f"{'oneDNN engine':>15}{'/HF':>6}" if other else ""
+    extra = f"{label:>15}{'/HF':>6}" if other else ""
     print(f"{'workload':<34}{'tokens':>8}{'engine tok/s':>14}{'HF tok/s':>12}{'engine/HF':>11}{extra}")
     for name, tokens, eng, hf, off in rows:
         extra = "".join(f"{o:>15.0f}{o / hf:>6.2f}" for o in off)

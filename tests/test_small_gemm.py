@@ -98,12 +98,50 @@ def test_fused_norm_and_residual_match_the_eager_ops(n, k, rows):
 
 
 @needs_kernel
+@pytest.mark.parametrize("n,k", [(1536, 512), (100, 37), (17, 64), (3, 5)])
+@pytest.mark.parametrize("rows", [1, 13, 16, 128])
+@pytest.mark.parametrize("biases", [(False, False), (True, False), (True, True)])
+def test_gated_mlp_activation_matches_silu_gate_times_up(n, k, rows, biases):
+    # glu: a gate's and an up projection's strips alternate, the kernel stores SiLU(gate) * up
+    g = torch.Generator().manual_seed(n + k + rows)
+    gate, up, nw = torch.randn(n, k, generator=g), torch.randn(n, k, generator=g), torch.randn(k, generator=g)
+    bg, bu = (torch.randn(n, generator=g) if b else None for b in biases)
+    x = torch.randn(rows, k, generator=g)
+    h = F.rms_norm(x, (k,), nw, 1e-6)
+    want = F.silu(F.linear(h, gate, bg)) * F.linear(h, up, bu)
+    got = small_gemm.linear(x, small_gemm.pack_glu(gate, up), n, small_gemm.pack_glu_bias(bg, bu),
+                            norm=(nw, 1e-6), glu=True)
+    # errors of the two products (relative to their terms' size), carried through the product
+    scale = (F.linear(h, up, bu).abs() + F.linear(h, gate, bg).abs() + 1) * k ** 0.5
+    assert ((got - want).abs() <= 2e-6 * scale + 1e-5 * want.abs()).all()
+
+
+@needs_kernel
+def test_gated_activation_at_the_edges_of_the_exponential():
+    # SiLU through the kernel's own exp: as torch's where it overflows, underflows, and on NaN
+    vals = [-200.0, -88.0, -87.0, -20.0, -1e-3, 0.0, 1e-3, 0.5, 1.0, 5.0, 20.0, 88.0, 200.0,
+            float("nan"), float("inf"), float("-inf")]
+    eye = torch.eye(16)
+    for v in vals:
+        x = torch.zeros(1, 16)
+        x[0, 0] = v
+        got = small_gemm.linear(x, small_gemm.pack_glu(eye, eye), 16, glu=True)[0, 0]
+        want = F.silu(torch.tensor(v)) * v
+        assert torch.isclose(got, want, rtol=1e-6, atol=0, equal_nan=True), (v, got, want)
+    x = torch.linspace(-30, 30, 4096).view(-1, 16)
+    got = torch.cat([small_gemm.linear(r[None], small_gemm.pack_glu(eye, eye), 16, glu=True) for r in x])
+    torch.testing.assert_close(got, F.silu(x) * x, rtol=1e-6, atol=1e-30)
+
+
+@needs_kernel
 def test_fused_arguments_of_the_wrong_shape_are_refused():
     w, x = torch.randn(8, 16), torch.randn(2, 16)
     with pytest.raises(ValueError, match="residual"):
         small_gemm.linear(x, small_gemm.pack(w), 8, res=torch.randn(2, 7))
     with pytest.raises(ValueError, match="norm weight"):
         small_gemm.linear(x, small_gemm.pack(w), 8, norm=(torch.randn(15), 1e-6))
+    with pytest.raises(ValueError, match="glu takes no residual"):
+        small_gemm.linear(x, small_gemm.pack_glu(w, w), 8, res=torch.randn(2, 8), glu=True)
 
 
 def test_eligibility():
@@ -162,11 +200,15 @@ def test_packed_linears_route_few_rows_to_the_kernel_and_the_rest_to_onednn():
                                res + o(F.rms_norm(x, (64,), nw, 1e-6)), rtol=1e-5, atol=1e-5)
     assert pl.fused(torch.randn(small_gemm.MAX_ROWS + 1, 64), (o,), res=res) is None
     assert off.fused(x, (o,), res=res) is None
+    gate, up = torch.nn.Linear(64, 48), torch.nn.Linear(64, 48, bias=False)
+    torch.testing.assert_close(pl.fused(x, (gate, up), glu=True), F.silu(gate(x)) * up(x),
+                               rtol=1e-5, atol=1e-5)
+    assert pl.fused(x, (q, k), glu=True) is None  # not a gate / up pair of one shape
 
 
 @needs_kernel
-def test_decoder_layer_with_fused_norms_and_residuals_matches_hf():
-    # llama_forward hands each layer's RMSNorms and residual adds to the kernel (fused) when it
+def test_decoder_layers_with_fused_norms_residuals_and_activation_match_hf():
+    # llama_forward hands each layer's RMSNorms, residual adds and SiLU(gate) * up to the kernel when it
     # takes the product: the prefill (180 rows: oneDNN, unfused) and the decode steps (fused)
     # must both still give HF's logits
     from RL2.rollout import llama_forward
@@ -175,7 +217,12 @@ def test_decoder_layer_with_fused_norms_and_residuals_matches_hf():
     model = _model(5)
     pl, calls = onednn.PackedLinears(small=True), []
     fused = pl.fused
-    pl.fused = lambda *a, **kw: calls.append(kw) or fused(*a, **kw)
+    def counted(*a, **kw):
+        out = fused(*a, **kw)
+        if out is not None:  # the kernel took it
+            calls.append(kw)
+        return out
+    pl.fused = counted
     ids = torch.randint(4, 512, (3, 64), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         want = model(ids).logits
@@ -189,10 +236,13 @@ def test_decoder_layer_with_fused_norms_and_residuals_matches_hf():
         got.append(llama_forward.decode(model, ids[:, j], kv, pl))
         kv.advance()
     torch.testing.assert_close(torch.stack(got, 1), want[:, 59:], rtol=1e-4, atol=1e-4)
-    # per layer two normed products and two residual adds, plus the final norm, offered by each
-    # of the 5 passes (the kernel declines the prefill's 180-row products: None, then eager ops)
-    assert sum("norm" in kw for kw in calls) == (4 + 1) * (2 * 2 + 1)
-    assert sum("res" in kw for kw in calls) == (4 + 1) * 2 * 2
+    # at each of the 4 decode steps, per layer: the q/k/v product with its norm, o_proj with its
+    # residual, gate/up with its norm and activation, down_proj with its residual; then the
+    # final norm with the LM head. The prefill's 180-row products went to oneDNN, only its
+    # last-token logits (3 rows) to the kernel.
+    assert sum("norm" in kw for kw in calls) == 4 * (2 * 2 + 1) + 1
+    assert sum("res" in kw for kw in calls) == 4 * 2 * 2
+    assert sum(kw.get("glu", False) for kw in calls) == 4 * 2
 
 
 def _model(seed):

@@ -100,9 +100,16 @@ def _qkv(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, linear=_l
 def _finish_layer(layer, x: torch.Tensor, attn_out: torch.Tensor, linear=_linear) -> torch.Tensor:
     """Output projection, residuals and MLP of one decoder layer (x: the layer's input)."""
     x = _add_linear(linear, x, attn_out, layer.self_attn.o_proj)
-    mlp = layer.mlp
-    gate, up = _project(linear, x, (mlp.gate_proj, mlp.up_proj), norm=layer.post_attention_layernorm)
-    return _add_linear(linear, x, F.silu(gate) * up, mlp.down_proj)
+    mlp, norm = layer.mlp, layer.post_attention_layernorm
+    fused = getattr(linear, "fused", None)
+    act = None
+    if fused is not None and x.dtype == torch.float32:  # the norm and SiLU(gate) * up inside
+        act = fused(x, (mlp.gate_proj, mlp.up_proj), norm=(norm.weight, norm.variance_epsilon),
+                    glu=True)
+    if act is None:
+        gate, up = _project(linear, x, (mlp.gate_proj, mlp.up_proj), norm=norm)
+        act = F.silu(gate) * up
+    return _add_linear(linear, x, act, mlp.down_proj)
 
 
 def linear_groups(model) -> list[tuple]:

@@ -145,16 +145,18 @@ class PackedLinears:
         return _mm(x, entry[1], proj.bias)
 
     def fused(self, x: torch.Tensor, projs: tuple, norm: tuple | None = None,
-              res: torch.Tensor | None = None) -> torch.Tensor | None:
+              res: torch.Tensor | None = None, glu: bool = False) -> torch.Tensor | None:
         """res + stacked(RMSNorm(x), projs) in one call of RL2's kernel (norm: (weight, eps), or
-        None for x itself; res: None or a tensor shaped like the output), or None when the
-        kernel does not take this product: the caller then runs the norm and the add itself."""
-        kernel = self._kernel_weights(x, projs) if self.enabled else None
-        return None if kernel is None else small_gemm.linear(x, *kernel, res=res, norm=norm)
+        None for x itself; res: None or a tensor shaped like the output), or with glu and projs
+        = (gate, up) SiLU(gate) * up; None when the kernel does not take this product: the
+        caller then runs the norm, the add or the activation itself."""
+        kernel = self._kernel_weights(x, projs, glu) if self.enabled else None
+        return None if kernel is None else small_gemm.linear(x, *kernel, res=res, norm=norm, glu=glu)
 
-    def _kernel_weights(self, x: torch.Tensor, projs: tuple) -> tuple | None:
-        """(strips, output features, bias) of `projs` stacked, packed for RL2's kernel on first
-        use, or None when the kernel does not take x @ these weights."""
+    def _kernel_weights(self, x: torch.Tensor, projs: tuple, glu: bool = False) -> tuple | None:
+        """(strips, output features, bias) of `projs` stacked (glu: a gate and an up projection
+        in alternating strips), packed for RL2's kernel on first use, or None when the kernel
+        does not take x @ these weights."""
         ws = [p.weight for p in projs]
         if not (self.small and small_gemm.eligible(x, ws[0])):
             return None
@@ -166,14 +168,19 @@ class PackedLinears:
                 entry = (ws[0].data_ptr(), small_gemm.pack(ws[0]))
                 self._strips[projs[0]] = entry
             return entry[1], ws[0].shape[0], projs[0].bias
-        key = tuple(w.data_ptr() for w in ws)
-        entry = self._strips.get(projs)
+        key, slot = tuple(w.data_ptr() for w in ws), ("glu", *projs) if glu else projs
+        entry = self._strips.get(slot)
         if entry is None or entry[0] != key:
-            if not all(_eligible(x, w) for w in ws):
+            if not all(_eligible(x, w) for w in ws) or glu and (
+                    len(ws) != 2 or ws[0].shape != ws[1].shape):
                 return None
-            stacked, bias = _stack(projs)
-            entry = (key, small_gemm.pack(stacked), stacked.shape[0], bias)
-            self._strips[projs] = entry
+            if glu:
+                entry = (key, small_gemm.pack_glu(*(w.detach() for w in ws)), ws[0].shape[0],
+                         small_gemm.pack_glu_bias(projs[0].bias, projs[1].bias))
+            else:
+                stacked, bias = _stack(projs)
+                entry = (key, small_gemm.pack(stacked), stacked.shape[0], bias)
+            self._strips[slot] = entry
         return entry[1:]
 
     def many(self, x: torch.Tensor, projs: tuple) -> list[torch.Tensor]:

@@ -20,11 +20,41 @@
 #define ROWS 12 /* rows per pass */
 #define AHEAD 16 /* prefetch distance in k (1 KiB of a strip) */
 
+/* e^x, 16 lanes: 2^n * e^r with n = round(x / ln 2), r = x - n ln 2 (ln 2 in two parts, |r| <=
+ * 0.35), e^r by its Taylor series to r^7 (truncation < 1e-8, under fp32's rounding): within a
+ * few ulp of libm's expf. +inf past 88.7, 0 below -87.3, NaN stays NaN. */
+static inline __m512 exp16(__m512 x) {
+  __mmask16 tiny = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.3f), _CMP_LT_OQ);
+  x = _mm512_min_ps(_mm512_set1_ps(89.0f), _mm512_max_ps(_mm512_set1_ps(-88.0f), x)); /* NaN: kept */
+  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 5040);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_maskz_mov_ps((__mmask16)~tiny, _mm512_scalef_ps(p, n));
+}
+
+/* SiLU(g) * u as PyTorch computes SiLU: g / (1 + e^-g) */
+static inline __m512 silu_mul(__m512 g, __m512 u) {
+  __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
+  return _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e)), u);
+}
+
 /* R rows against strips w0 and w1 (w1 NULL: one strip); mask: valid columns of the last one;
- * res (NULL: none) is added to the product last, as `res + linear(x)` rounds */
+ * res (NULL: none) is added to the product last, as `res + linear(x)` rounds. glu: w0 / w1 are
+ * matching strips of a gate and an up projection, and the panel stores SiLU(gate) * up (16
+ * columns, masked) instead of both */
 #define PANEL(R)                                                                                 \
   static void panel_##R(const float* x, int64_t K, const float* w0, const float* w1, float* y,  \
-                        int64_t ldy, const float* bias, const float* res, __mmask16 mask) {      \
+                        int64_t ldy, const float* bias, const float* res, __mmask16 mask,        \
+                        int glu) {                                                               \
     __m512 a0[R], a1[R];                                                                         \
     __mmask16 m0 = w1 ? (__mmask16)0xFFFF : mask;                                                \
     __m512 b0 = bias ? _mm512_maskz_loadu_ps(m0, bias) : _mm512_setzero_ps();                    \
@@ -42,6 +72,10 @@
         }                                                                                        \
       }                                                                                          \
       for (int r = 0; r < R; r++) {                                                              \
+        if (glu) {                                                                               \
+          _mm512_mask_storeu_ps(y + r * ldy, mask, silu_mul(a0[r], a1[r]));                      \
+          continue;                                                                              \
+        }                                                                                        \
         if (res) {                                                                               \
           a0[r] = _mm512_add_ps(_mm512_loadu_ps(res + r * ldy), a0[r]);                          \
           a1[r] = _mm512_add_ps(_mm512_maskz_loadu_ps(mask, res + r * ldy + 16), a1[r]);         \
@@ -65,7 +99,7 @@ PANEL(1) PANEL(2) PANEL(3) PANEL(4) PANEL(5) PANEL(6)
 PANEL(7) PANEL(8) PANEL(9) PANEL(10) PANEL(11) PANEL(12)
 
 typedef void (*panel_fn)(const float*, int64_t, const float*, const float*, float*, int64_t,
-                         const float*, const float*, __mmask16);
+                         const float*, const float*, __mmask16, int);
 static const panel_fn PANELS[ROWS + 1] = {0, panel_1, panel_2, panel_3, panel_4, panel_5, panel_6,
                                           panel_7, panel_8, panel_9, panel_10, panel_11, panel_12};
 
@@ -88,11 +122,13 @@ static void rms_row(const float* x, int64_t K, const float* norm_w, float eps, f
 
 /* x: M x K row-major; w: ceil(N / 16) strips; bias: N floats or NULL; res: M x N or NULL, added
  * last; norm_w: K floats or NULL, then x is RMS-normalised first (eps) into h (M x K scratch);
- * y: M x N row-major. */
+ * y: M x N row-major. glu: w holds 2 * ceil(N / 16) strips, a gate's and an up projection's
+ * alternating (N columns each), bias (or NULL) 32 floats per strip pair likewise, res NULL, and
+ * y = SiLU(gate) * up. */
 void rl2_small_gemm(const float* x, int64_t M, int64_t K, const float* w, int64_t N,
                     const float* bias, const float* res, const float* norm_w, float eps, float* h,
-                    float* y, int threads) {
-  int64_t strips = (N + 15) / 16, panels = (strips + 1) / 2;
+                    float* y, int glu, int threads) {
+  int64_t strips = (N + 15) / 16, panels = glu ? strips : (strips + 1) / 2;
   const float* a = norm_w ? h : x;
 #pragma omp parallel num_threads(threads)
   {
@@ -102,16 +138,17 @@ void rl2_small_gemm(const float* x, int64_t M, int64_t K, const float* w, int64_
     } /* the loop's barrier: every row is normalised before any panel reads it */
 #pragma omp for schedule(static)
     for (int64_t p = 0; p < panels; p++) {
-      int64_t s = 2 * p, n0 = 16 * s;
-      int two = s + 1 < strips;
-      int64_t last = N - 16 * (s + two); /* columns in the panel's last strip */
+      int64_t s = glu ? p : 2 * p, n0 = 16 * s; /* first strip (of gate's, if glu), its column */
+      int two = glu || s + 1 < strips;
+      int64_t last = N - 16 * (glu ? s : s + two); /* columns in the panel's last strip */
       __mmask16 mask = (__mmask16)(last >= 16 ? 0xFFFF : (1u << last) - 1u);
-      const float* w0 = w + s * 16 * K;
+      const float* w0 = w + (glu ? 2 * s : s) * 16 * K;
       const float* w1 = two ? w0 + 16 * K : 0;
+      const float* b = bias ? bias + (glu ? 2 * n0 : n0) : 0;
       for (int64_t m = 0; m < M; m += ROWS) {
         int64_t rows = M - m < ROWS ? M - m : ROWS;
-        PANELS[rows](a + m * K, K, w0, w1, y + m * N + n0, N, bias ? bias + n0 : 0,
-                     res ? res + m * N + n0 : 0, mask);
+        PANELS[rows](a + m * K, K, w0, w1, y + m * N + n0, N, b, res ? res + m * N + n0 : 0, mask,
+                     glu);
       }
     }
   }

@@ -98,7 +98,11 @@ def _self_check(lib) -> None:
     x, res, nw = torch.randn(5, 33, generator=g), torch.randn(5, 40, generator=g), torch.randn(33, generator=g)
     want = res + F.linear(F.rms_norm(x, (33,), nw, 1e-6), w, b)
     y = _call(lib, x, pack(w), 40, b, res, (nw, 1e-6))
+    u = torch.randn(40, 33, generator=g)
+    glu = _call(lib, x, pack_glu(w, u), 40, pack_glu_bias(b, None), norm=(nw, 1e-6), glu=True)
+    h = F.rms_norm(x, (33,), nw, 1e-6)
     if not (torch.allclose(y, want, rtol=1e-4, atol=1e-4)
+            and torch.allclose(glu, F.silu(F.linear(h, w, b)) * F.linear(h, u), rtol=1e-4, atol=1e-4)
             and torch.allclose(_call(lib, x, pack(w), 40, b), F.linear(x, w, b), rtol=1e-4, atol=1e-4)):
         raise RuntimeError("the built kernel's products differ from torch's")
 
@@ -125,7 +129,8 @@ def load():
             _build(cc, gomp, path)
         lib = ctypes.CDLL(path)
         p, i = ctypes.c_void_p, ctypes.c_int64
-        lib.rl2_small_gemm.argtypes = [p, i, i, p, i, p, p, p, ctypes.c_float, p, p, ctypes.c_int]
+        lib.rl2_small_gemm.argtypes = [p, i, i, p, i, p, p, p, ctypes.c_float, p, p, ctypes.c_int,
+                                       ctypes.c_int]
         lib.rl2_small_gemm.restype = None
         if len(openmp_libraries()) != 1:
             return None, "loading the kernel brought a second OpenMP runtime"
@@ -154,8 +159,23 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     return w.reshape(-1, 16, k).transpose(1, 2).contiguous()
 
 
+def pack_glu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """Two weights [N, K] -> their strips alternating, [2 * ceil(N / 16), K, 16] (`linear`'s glu)."""
+    return torch.stack([pack(gate), pack(up)], 1).flatten(0, 1)
+
+
+def pack_glu_bias(gate: torch.Tensor | None, up: torch.Tensor | None) -> torch.Tensor | None:
+    """The biases of `pack_glu`'s two projections (None: zeros), 16 of each in turn, or None."""
+    if gate is None and up is None:
+        return None
+    n = (gate if gate is not None else up).shape[0]
+    halves = [torch.zeros(-(-n // 16) * 16) if b is None else F.pad(b.detach(), (0, -n % 16))
+              for b in (gate, up)]
+    return torch.stack([t.view(-1, 16) for t in halves], 1).flatten()
+
+
 def _call(lib, x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None,
-          res: torch.Tensor | None = None, norm: tuple | None = None) -> torch.Tensor:
+          res: torch.Tensor | None = None, norm: tuple | None = None, glu: bool = False) -> torch.Tensor:
     k = x.shape[-1]
     x = x.contiguous()
     y = torch.empty(*x.shape[:-1], n, dtype=x.dtype)
@@ -172,13 +192,17 @@ def _call(lib, x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor
         if norm_w.shape != (k,) or norm_w.dtype != x.dtype:
             raise ValueError(f"norm weight {tuple(norm_w.shape)} {norm_w.dtype}: expected ({k},) {x.dtype}")
         h = torch.empty_like(x)  # the normalised rows, read by every panel
+    if glu and res is not None:
+        raise ValueError("glu takes no residual")
     lib.rl2_small_gemm(x.data_ptr(), x.numel() // k, k, packed.data_ptr(), n, ptr(bias), ptr(res),
-                       ptr(norm_w), eps, ptr(h), y.data_ptr(), torch.get_num_threads())
+                       ptr(norm_w), eps, ptr(h), y.data_ptr(), int(glu), torch.get_num_threads())
     return y
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None,
-           res: torch.Tensor | None = None, norm: tuple | None = None) -> torch.Tensor:
+           res: torch.Tensor | None = None, norm: tuple | None = None, glu: bool = False) -> torch.Tensor:
     """res + (x' [..., K] @ W.T + bias) -> [..., n], W given as `pack(W)` (n rows); x' is x, or with
-    norm = (weight [K], eps) x RMS-normalised as HF's fp32 RMSNorm does. Needs `available()`."""
-    return _call(load()[0], x, packed, n, bias, res, norm)
+    norm = (weight [K], eps) x RMS-normalised as HF's fp32 RMSNorm does. With glu, `packed` and
+    `bias` come from `pack_glu` / `pack_glu_bias` of a gate and an up projection (n rows each)
+    and the result is SiLU(gate) * up (no res). Needs `available()`."""
+    return _call(load()[0], x, packed, n, bias, res, norm, glu)

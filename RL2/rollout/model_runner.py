@@ -7,8 +7,9 @@ drops rows and returns the new order (old index per new row).
   own KV buffers (`kv_cache.BatchKV`). Nothing of transformers' cache API is used. On the CPU
   its linear layers use oneDNN-packed copies of the weights (`RL2/utils/onednn.py`; dropped by
   `weights_changed`, rebuilt on the next step), and products of a few rows (decode steps) RL2's
-  AVX-512 kernel where it builds (`small_gemm`, `RL2/utils/small_gemm.py`). With `compile_decode` (CPU) decode steps of two
-  or more rows run one inductor-compiled graph (`compiled_decode.py`). On CUDA with
+  AVX-512 kernel where it builds (`small_gemm`, `RL2/utils/small_gemm.py`), which then also
+  does the norms, residual adds and gated activation around them. With `compile_decode` (CPU)
+  decode steps of two or more rows run one inductor-compiled graph (`compiled_decode.py`). On CUDA with
   `cuda_graph`, decode steps replay CUDA graphs (`cuda_graph.py`; written, not run: no GPU here).
 - `RecomputeRunner` (every other architecture, or `own_forward=False`): the HF forward over
   each row's whole context at every step, with no KV cache at all. Quadratic in the length, but

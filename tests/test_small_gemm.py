@@ -133,6 +133,35 @@ def test_gated_activation_at_the_edges_of_the_exponential():
     torch.testing.assert_close(got, F.silu(x) * x, rtol=1e-6, atol=1e-30)
 
 
+def _rotary(rows: int, head_dim: int, g: torch.Generator):
+    pos = torch.randint(0, 4000, (rows,), generator=g).float()
+    freqs = pos[:, None] / 10000 ** (torch.arange(0, head_dim, 2).float() / head_dim)
+    emb = torch.cat([freqs, freqs], -1)
+    return emb.cos(), emb.sin()
+
+
+@needs_kernel
+@pytest.mark.parametrize("heads,kv_heads,head_dim,k", [(8, 4, 64, 512), (2, 1, 32, 40), (4, 2, 128, 96)])
+@pytest.mark.parametrize("rows", [1, 16, 65])
+def test_rotary_embedding_matches_hf_rotate_half(heads, kv_heads, head_dim, k, rows):
+    # rope: the q and k heads of a q/k/v product rotated in the kernel, v left as it is
+    from transformers.models.qwen2.modeling_qwen2 import apply_rotary_pos_emb
+
+    g = torch.Generator().manual_seed(heads + head_dim + rows)
+    n = (heads + 2 * kv_heads) * head_dim
+    w, b, x = torch.randn(n, k, generator=g), torch.randn(n, generator=g), torch.randn(rows, k, generator=g)
+    cos, sin = _rotary(rows, head_dim, g)
+    y = F.linear(x, w, b)
+    q, kk = (t.view(rows, -1, head_dim).transpose(0, 1) for t in y[:, :(heads + kv_heads) * head_dim]
+             .split([heads * head_dim, kv_heads * head_dim], -1))
+    q, kk = apply_rotary_pos_emb(q, kk, cos, sin, unsqueeze_dim=0)  # HF's [heads, rows, D]
+    want = torch.cat([q.transpose(0, 1).reshape(rows, -1), kk.transpose(0, 1).reshape(rows, -1),
+                      y[:, (heads + kv_heads) * head_dim:]], -1)
+    order = small_gemm.rope_order(n, heads + kv_heads, head_dim)
+    got = small_gemm.linear(x, small_gemm.pack(w[order]), n, b[order], rope=(cos, sin, heads + kv_heads))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=4e-6 * k ** 0.5 * 4)
+
+
 @needs_kernel
 def test_fused_arguments_of_the_wrong_shape_are_refused():
     w, x = torch.randn(8, 16), torch.randn(2, 16)
@@ -140,8 +169,13 @@ def test_fused_arguments_of_the_wrong_shape_are_refused():
         small_gemm.linear(x, small_gemm.pack(w), 8, res=torch.randn(2, 7))
     with pytest.raises(ValueError, match="norm weight"):
         small_gemm.linear(x, small_gemm.pack(w), 8, norm=(torch.randn(15), 1e-6))
-    with pytest.raises(ValueError, match="glu takes no residual"):
+    with pytest.raises(ValueError, match="take no residual"):
         small_gemm.linear(x, small_gemm.pack_glu(w, w), 8, res=torch.randn(2, 8), glu=True)
+    cos = torch.randn(2, 32)
+    with pytest.raises(ValueError, match="rope"):  # 32 columns of rope in an 8-column product
+        small_gemm.linear(x, small_gemm.pack(w), 8, rope=(cos, cos, 1))
+    with pytest.raises(ValueError, match="rope"):  # a head_dim the kernel does not split
+        small_gemm.rope_order(96, 2, 48)
 
 
 def test_eligibility():
@@ -170,6 +204,8 @@ def test_openmp_runtimes_are_read_from_the_process_map():
 
 @needs_kernel
 def test_packed_linears_route_few_rows_to_the_kernel_and_the_rest_to_onednn():
+    from RL2.rollout import llama_forward
+
     torch.manual_seed(0)
     q, k, v = (torch.nn.Linear(64, n, bias=True) for n in (64, 32, 32))
     o = torch.nn.Linear(64, 64, bias=False)
@@ -204,19 +240,28 @@ def test_packed_linears_route_few_rows_to_the_kernel_and_the_rest_to_onednn():
     torch.testing.assert_close(pl.fused(x, (gate, up), glu=True), F.silu(gate(x)) * up(x),
                                rtol=1e-5, atol=1e-5)
     assert pl.fused(x, (q, k), glu=True) is None  # not a gate / up pair of one shape
+    cos, sin = _rotary(4, 32, torch.Generator().manual_seed(0))
+    got = pl.fused(x, (q, k, v), rope=(cos, sin, 3))  # heads of 32: q's two and k's one
+    want = torch.cat([q(x), k(x), v(x)], -1)
+    heads = want[:, :96].view(4, 3, 32)
+    want[:, :96] = llama_forward._rotate(heads, cos[:, None], sin[:, None]).flatten(1)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    odd = torch.randn(4, 48)  # heads of 48: the kernel does not split them
+    assert pl.fused(x, (q, k, v), rope=(odd, odd, 2)) is None
 
 
 @needs_kernel
-def test_decoder_layers_with_fused_norms_residuals_and_activation_match_hf():
-    # llama_forward hands each layer's RMSNorms, residual adds and SiLU(gate) * up to the kernel when it
-    # takes the product: the prefill (180 rows: oneDNN, unfused) and the decode steps (fused)
-    # must both still give HF's logits
+def test_decoder_layers_with_the_kernels_fused_ops_match_hf():
+    # llama_forward hands each layer's RMSNorms, rotary, residual adds and SiLU(gate) * up to
+    # the kernel when it takes the product: the prefill (180 rows: oneDNN, unfused) and the
+    # decode steps (fused) must both still give HF's logits
     from RL2.rollout import llama_forward
     from RL2.rollout.kv_cache import BatchKV
 
     model = _model(5)
     pl, calls = onednn.PackedLinears(small=True), []
     fused = pl.fused
+
     def counted(*a, **kw):
         out = fused(*a, **kw)
         if out is not None:  # the kernel took it
@@ -236,13 +281,14 @@ def test_decoder_layers_with_fused_norms_residuals_and_activation_match_hf():
         got.append(llama_forward.decode(model, ids[:, j], kv, pl))
         kv.advance()
     torch.testing.assert_close(torch.stack(got, 1), want[:, 59:], rtol=1e-4, atol=1e-4)
-    # at each of the 4 decode steps, per layer: the q/k/v product with its norm, o_proj with its
-    # residual, gate/up with its norm and activation, down_proj with its residual; then the
-    # final norm with the LM head. The prefill's 180-row products went to oneDNN, only its
+    # at each of the 4 decode steps, per layer: the q/k/v product with its norm and rotation,
+    # o_proj with its residual, gate/up with its norm and activation, down_proj with its
+    # residual; then the final norm with the LM head. The prefill's 180-row products went to oneDNN, only its
     # last-token logits (3 rows) to the kernel.
     assert sum("norm" in kw for kw in calls) == 4 * (2 * 2 + 1) + 1
     assert sum("res" in kw for kw in calls) == 4 * 2 * 2
     assert sum(kw.get("glu", False) for kw in calls) == 4 * 2
+    assert sum(kw.get("rope") is not None for kw in calls) == 4 * 2
 
 
 def _model(seed):

@@ -89,8 +89,16 @@ def _qkv(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, linear=_l
     """Rotated queries and keys, and values, as [tokens, heads, head_dim] (x: [tokens, hidden])."""
     attn = layer.self_attn
     d, n = attn.head_dim, x.shape[0]
-    q, k, v = (t.reshape(n, -1, d) for t in _project(
-        linear, x, (attn.q_proj, attn.k_proj, attn.v_proj), norm=layer.input_layernorm))
+    projs, norm = (attn.q_proj, attn.k_proj, attn.v_proj), layer.input_layernorm
+    fused = getattr(linear, "fused", None)
+    if fused is not None and x.dtype == torch.float32 and not hasattr(attn, "q_norm"):
+        # the norm, the product and the rotation of the queries' and keys' heads in one call
+        sizes = [p.weight.shape[0] for p in projs]
+        y = fused(x, projs, norm=(norm.weight, norm.variance_epsilon),
+                  rope=(cos[:, 0], sin[:, 0], (sizes[0] + sizes[1]) // d))
+        if y is not None:
+            return tuple(t.view(n, -1, d) for t in y.split(sizes, dim=-1))
+    q, k, v = (t.reshape(n, -1, d) for t in _project(linear, x, projs, norm=norm))
     if hasattr(attn, "q_norm"):  # Qwen3: per-head RMSNorm before RoPE
         q, k = _norm(attn.q_norm, q), _norm(attn.k_norm, k)
     qk = _rotate(torch.cat([q, k], dim=1), cos, sin)  # one elementwise pass for both

@@ -145,22 +145,35 @@ class PackedLinears:
         return _mm(x, entry[1], proj.bias)
 
     def fused(self, x: torch.Tensor, projs: tuple, norm: tuple | None = None,
-              res: torch.Tensor | None = None, glu: bool = False) -> torch.Tensor | None:
+              res: torch.Tensor | None = None, glu: bool = False,
+              rope: tuple | None = None) -> torch.Tensor | None:
         """res + stacked(RMSNorm(x), projs) in one call of RL2's kernel (norm: (weight, eps), or
-        None for x itself; res: None or a tensor shaped like the output), or with glu and projs
-        = (gate, up) SiLU(gate) * up; None when the kernel does not take this product: the
-        caller then runs the norm, the add or the activation itself."""
-        kernel = self._kernel_weights(x, projs, glu) if self.enabled else None
-        return None if kernel is None else small_gemm.linear(x, *kernel, res=res, norm=norm, glu=glu)
+        None for x itself; res: None or a tensor shaped like the output); with glu and projs =
+        (gate, up) SiLU(gate) * up; with rope = (cos, sin, heads) the first `heads` heads of
+        the output rotated (`small_gemm.linear`). None when the kernel does not take this
+        product: the caller then runs the norm, the add, the activation or the rotation itself."""
+        if not self.enabled:
+            return None
+        order = None
+        if rope is not None:
+            n = sum(p.weight.shape[0] for p in projs)
+            if rope[0].shape[-1] % 32 or rope[2] * rope[0].shape[-1] > n:
+                return None
+            order = (n, rope[2], rope[0].shape[-1])
+        kernel = self._kernel_weights(x, projs, glu, order)
+        return None if kernel is None else small_gemm.linear(x, *kernel, res=res, norm=norm,
+                                                             glu=glu, rope=rope)
 
-    def _kernel_weights(self, x: torch.Tensor, projs: tuple, glu: bool = False) -> tuple | None:
+    def _kernel_weights(self, x: torch.Tensor, projs: tuple, glu: bool = False,
+                        order: tuple | None = None) -> tuple | None:
         """(strips, output features, bias) of `projs` stacked (glu: a gate and an up projection
-        in alternating strips), packed for RL2's kernel on first use, or None when the kernel
-        does not take x @ these weights."""
+        in alternating strips; order: (n, heads, head_dim), rows in `small_gemm.rope_order`),
+        packed for RL2's kernel on first use, or None when the kernel does not take x @ these
+        weights."""
         ws = [p.weight for p in projs]
         if not (self.small and small_gemm.eligible(x, ws[0])):
             return None
-        if len(projs) == 1:  # keyed by the module, its bias read live
+        if len(projs) == 1 and order is None:  # keyed by the module, its bias read live
             entry = self._strips.get(projs[0])
             if entry is None or entry[0] != ws[0].data_ptr():
                 if not _eligible(x, ws[0]):
@@ -168,7 +181,8 @@ class PackedLinears:
                 entry = (ws[0].data_ptr(), small_gemm.pack(ws[0]))
                 self._strips[projs[0]] = entry
             return entry[1], ws[0].shape[0], projs[0].bias
-        key, slot = tuple(w.data_ptr() for w in ws), ("glu", *projs) if glu else projs
+        key = tuple(w.data_ptr() for w in ws)
+        slot = ("glu", *projs) if glu else ("rope", order, *projs) if order else projs
         entry = self._strips.get(slot)
         if entry is None or entry[0] != key:
             if not all(_eligible(x, w) for w in ws) or glu and (
@@ -179,6 +193,9 @@ class PackedLinears:
                          small_gemm.pack_glu_bias(projs[0].bias, projs[1].bias))
             else:
                 stacked, bias = _stack(projs)
+                if order is not None:
+                    rows = small_gemm.rope_order(*order)
+                    stacked, bias = stacked[rows], None if bias is None else bias[rows]
                 entry = (key, small_gemm.pack(stacked), stacked.shape[0], bias)
             self._strips[slot] = entry
         return entry[1:]

@@ -49,18 +49,27 @@ static inline __m512 silu_mul(__m512 g, __m512 u) {
   return _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e)), u);
 }
 
-/* R rows against strips w0 and w1 (w1 NULL: one strip); mask: valid columns of the last one;
- * res (NULL: none) is added to the product last, as `res + linear(x)` rounds. glu: w0 / w1 are
- * matching strips of a gate and an up projection, and the panel stores SiLU(gate) * up (16
- * columns, masked) instead of both */
+/* What a panel does with its sums besides storing them; pointers are at the panel's first row
+ * and first column, NULL where unused. */
+typedef struct {
+  const float* bias; /* the panel's two strips' biases, 16 each */
+  const float* res;  /* added to the sums last, as `res + linear(x)` rounds (row stride ldy) */
+  int glu;           /* the strips are a gate's and an up projection's: store SiLU(gate) * up */
+  const float* cos;  /* rope: the strips are the two halves of a head's columns: rotate them */
+  const float* sin;  /* (HF's x * cos + rotate_half(x) * sin; cos, sin row stride ldc) */
+  int64_t ldc, half; /* rope: the second half's cos / sin at + half */
+  int64_t off1;      /* the second strip's output column, from the first's */
+  __mmask16 mask;    /* valid columns of the panel's last strip */
+} epilogue;
+
+/* R rows of x against strips w0 and w1 (w1 NULL: one strip) into y (row stride ldy) */
 #define PANEL(R)                                                                                 \
   static void panel_##R(const float* x, int64_t K, const float* w0, const float* w1, float* y,  \
-                        int64_t ldy, const float* bias, const float* res, __mmask16 mask,        \
-                        int glu) {                                                               \
+                        int64_t ldy, const epilogue* e) {                                        \
     __m512 a0[R], a1[R];                                                                         \
-    __mmask16 m0 = w1 ? (__mmask16)0xFFFF : mask;                                                \
-    __m512 b0 = bias ? _mm512_maskz_loadu_ps(m0, bias) : _mm512_setzero_ps();                    \
-    __m512 b1 = bias && w1 ? _mm512_maskz_loadu_ps(mask, bias + 16) : _mm512_setzero_ps();       \
+    __mmask16 mask = e->mask, m0 = w1 ? (__mmask16)0xFFFF : mask;                                \
+    __m512 b0 = e->bias ? _mm512_maskz_loadu_ps(m0, e->bias) : _mm512_setzero_ps();              \
+    __m512 b1 = e->bias && w1 ? _mm512_maskz_loadu_ps(mask, e->bias + 16) : _mm512_setzero_ps(); \
     for (int r = 0; r < R; r++) { a0[r] = b0; a1[r] = b1; }                                      \
     if (w1) {                                                                                    \
       for (int64_t k = 0; k < K; k++) {                                                          \
@@ -73,18 +82,7 @@ static inline __m512 silu_mul(__m512 g, __m512 u) {
           a1[r] = _mm512_fmadd_ps(s, v, a1[r]);                                                  \
         }                                                                                        \
       }                                                                                          \
-      for (int r = 0; r < R; r++) {                                                              \
-        if (glu) {                                                                               \
-          _mm512_mask_storeu_ps(y + r * ldy, mask, silu_mul(a0[r], a1[r]));                      \
-          continue;                                                                              \
-        }                                                                                        \
-        if (res) {                                                                               \
-          a0[r] = _mm512_add_ps(_mm512_loadu_ps(res + r * ldy), a0[r]);                          \
-          a1[r] = _mm512_add_ps(_mm512_maskz_loadu_ps(mask, res + r * ldy + 16), a1[r]);         \
-        }                                                                                        \
-        _mm512_storeu_ps(y + r * ldy, a0[r]);                                                    \
-        _mm512_mask_storeu_ps(y + r * ldy + 16, mask, a1[r]);                                    \
-      }                                                                                          \
+      for (int r = 0; r < R; r++) finish_two(a0[r], a1[r], y + r * ldy, r, ldy, e);              \
     } else {                                                                                     \
       for (int64_t k = 0; k < K; k++) {                                                          \
         _mm_prefetch((const char*)(w0 + (k + AHEAD) * 16), _MM_HINT_T0);                         \
@@ -92,16 +90,41 @@ static inline __m512 silu_mul(__m512 g, __m512 u) {
         for (int r = 0; r < R; r++) a0[r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * K + k]), u, a0[r]); \
       }                                                                                          \
       for (int r = 0; r < R; r++) {                                                              \
-        if (res) a0[r] = _mm512_add_ps(_mm512_maskz_loadu_ps(mask, res + r * ldy), a0[r]);       \
+        if (e->res) a0[r] = _mm512_add_ps(_mm512_maskz_loadu_ps(mask, e->res + r * ldy), a0[r]); \
         _mm512_mask_storeu_ps(y + r * ldy, mask, a0[r]);                                         \
       }                                                                                          \
     }                                                                                            \
   }
+
+/* Row r's sums of a two-strip panel, a0 and a1, to its output row y */
+static inline void finish_two(__m512 a0, __m512 a1, float* y, int r, int64_t ldy,
+                              const epilogue* e) {
+  if (e->glu) {
+    _mm512_mask_storeu_ps(y, e->mask, silu_mul(a0, a1));
+    return;
+  }
+  if (e->cos) { /* first half: x1 cos - x2 sin; second half: x2 cos + x1 sin (never a tail) */
+    const float *c = e->cos + r * e->ldc, *s = e->sin + r * e->ldc;
+    __m512 o0 = _mm512_sub_ps(_mm512_mul_ps(a0, _mm512_loadu_ps(c)), _mm512_mul_ps(a1, _mm512_loadu_ps(s)));
+    __m512 o1 = _mm512_add_ps(_mm512_mul_ps(a1, _mm512_loadu_ps(c + e->half)),
+                              _mm512_mul_ps(a0, _mm512_loadu_ps(s + e->half)));
+    _mm512_storeu_ps(y, o0);
+    _mm512_storeu_ps(y + e->off1, o1);
+    return;
+  }
+  if (e->res) {
+    a0 = _mm512_add_ps(_mm512_loadu_ps(e->res + r * ldy), a0);
+    a1 = _mm512_add_ps(_mm512_maskz_loadu_ps(e->mask, e->res + r * ldy + e->off1), a1);
+  }
+  _mm512_storeu_ps(y, a0);
+  _mm512_mask_storeu_ps(y + e->off1, e->mask, a1);
+}
+
 PANEL(1) PANEL(2) PANEL(3) PANEL(4) PANEL(5) PANEL(6)
 PANEL(7) PANEL(8) PANEL(9) PANEL(10) PANEL(11) PANEL(12)
 
 typedef void (*panel_fn)(const float*, int64_t, const float*, const float*, float*, int64_t,
-                         const float*, const float*, __mmask16, int);
+                         const epilogue*);
 static const panel_fn PANELS[ROWS + 1] = {0, panel_1, panel_2, panel_3, panel_4, panel_5, panel_6,
                                           panel_7, panel_8, panel_9, panel_10, panel_11, panel_12};
 
@@ -124,13 +147,18 @@ static void rms_row(const float* x, int64_t K, const float* norm_w, float eps, f
 
 /* x: M x K row-major; w: ceil(N / 16) strips; bias: N floats or NULL; res: M x N or NULL, added
  * last; norm_w: K floats or NULL, then x is RMS-normalised first (eps) into h (M x K scratch);
- * y: M x N row-major. glu: w holds 2 * ceil(N / 16) strips, a gate's and an up projection's
- * alternating (N columns each), bias (or NULL) 32 floats per strip pair likewise, res NULL, and
- * y = SiLU(gate) * up. */
+ * y: M x N row-major.
+ * glu: w holds 2 * ceil(N / 16) strips, a gate's and an up projection's alternating (N columns
+ * each), bias (or NULL) 32 floats per strip pair likewise, res NULL, and y = SiLU(gate) * up.
+ * rope_heads > 0: the first rope_heads * D columns (D = head_dim, a multiple of 32) are heads
+ * to rotate by cos / sin (M x D each): their strips come in pairs, strip c of a head's first
+ * half then strip c of its second half, bias likewise; res NULL. */
 void rl2_small_gemm(const float* x, int64_t M, int64_t K, const float* w, int64_t N,
                     const float* bias, const float* res, const float* norm_w, float eps, float* h,
-                    float* y, int glu, int threads) {
+                    float* y, int glu, int64_t rope_heads, int64_t head_dim, const float* cos,
+                    const float* sin, int threads) {
   int64_t strips = (N + 15) / 16, panels = glu ? strips : (strips + 1) / 2;
+  int64_t per_head = head_dim / 32, rope_panels = rope_heads * per_head;
   const float* a = norm_w ? h : x;
 #pragma omp parallel num_threads(threads)
   {
@@ -140,17 +168,33 @@ void rl2_small_gemm(const float* x, int64_t M, int64_t K, const float* w, int64_
     } /* the loop's barrier: every row is normalised before any panel reads it */
 #pragma omp for schedule(static)
     for (int64_t p = 0; p < panels; p++) {
-      int64_t s = glu ? p : 2 * p, n0 = 16 * s; /* first strip (of gate's, if glu), its column */
+      int64_t s = 2 * p; /* the panel's first strip in w */
       int two = glu || s + 1 < strips;
-      int64_t last = N - 16 * (glu ? s : s + two); /* columns in the panel's last strip */
-      __mmask16 mask = (__mmask16)(last >= 16 ? 0xFFFF : (1u << last) - 1u);
-      const float* w0 = w + (glu ? 2 * s : s) * 16 * K;
+      int64_t n0 = 16 * s, last = N - 16 * (s + two); /* its first column; the last strip's */
+      epilogue e = {bias ? bias + 16 * s : 0, 0, glu, 0, 0, head_dim, head_dim / 2, 16, 0};
+      if (glu) {
+        n0 = 16 * p;
+        last = N - n0;
+      } else if (p < rope_panels) {
+        int64_t c = 16 * (p % per_head); /* the column within the head's first half */
+        n0 = p / per_head * head_dim + c;
+        last = 16;
+        e.cos = cos + c;
+        e.sin = sin + c;
+        e.off1 = head_dim / 2;
+      }
+      e.mask = (__mmask16)(last >= 16 ? 0xFFFF : (1u << last) - 1u);
+      const float* w0 = w + s * 16 * K;
       const float* w1 = two ? w0 + 16 * K : 0;
-      const float* b = bias ? bias + (glu ? 2 * n0 : n0) : 0;
       for (int64_t m = 0; m < M; m += ROWS) {
         int64_t rows = M - m < ROWS ? M - m : ROWS;
-        PANELS[rows](a + m * K, K, w0, w1, y + m * N + n0, N, b, res ? res + m * N + n0 : 0, mask,
-                     glu);
+        epilogue em = e;
+        em.res = res ? res + m * N + n0 : 0;
+        if (e.cos) {
+          em.cos = e.cos + m * head_dim;
+          em.sin = e.sin + m * head_dim;
+        }
+        PANELS[rows](a + m * K, K, w0, w1, y + m * N + n0, N, &em);
       }
     }
   }

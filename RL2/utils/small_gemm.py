@@ -95,7 +95,8 @@ def _build(cc: str, gomp: str, out: str) -> None:
 def _self_check(lib) -> None:
     g = torch.Generator().manual_seed(0)
     w, b = torch.randn(40, 33, generator=g), torch.randn(40, generator=g)
-    x, res, nw = torch.randn(5, 33, generator=g), torch.randn(5, 40, generator=g), torch.randn(33, generator=g)
+    x, res = torch.randn(5, 33, generator=g), torch.randn(5, 40, generator=g)
+    nw = torch.randn(33, generator=g)
     want = res + F.linear(F.rms_norm(x, (33,), nw, 1e-6), w, b)
     y = _call(lib, x, pack(w), 40, b, res, (nw, 1e-6))
     u = torch.randn(40, 33, generator=g)
@@ -130,7 +131,7 @@ def load():
         lib = ctypes.CDLL(path)
         p, i = ctypes.c_void_p, ctypes.c_int64
         lib.rl2_small_gemm.argtypes = [p, i, i, p, i, p, p, p, ctypes.c_float, p, p, ctypes.c_int,
-                                       ctypes.c_int]
+                                       i, i, p, p, ctypes.c_int]
         lib.rl2_small_gemm.restype = None
         if len(openmp_libraries()) != 1:
             return None, "loading the kernel brought a second OpenMP runtime"
@@ -174,8 +175,23 @@ def pack_glu_bias(gate: torch.Tensor | None, up: torch.Tensor | None) -> torch.T
     return torch.stack([t.view(-1, 16) for t in halves], 1).flatten()
 
 
+def rope_order(n: int, heads: int, head_dim: int) -> torch.Tensor:
+    """The row order `linear`'s rope wants of a weight [n, K] whose first heads * head_dim rows
+    are heads to rotate: per head, 16 rows of its first half then the matching 16 of its second
+    half, in turn; the other rows after them as they are."""
+    if head_dim % 32 or heads * head_dim > n:
+        raise ValueError(f"rope over {heads} heads of {head_dim} (a multiple of 32) in {n} rows")
+    half = head_dim // 2
+    c = torch.arange(0, half, 16)
+    starts = torch.stack([c, c + half], 1).flatten()  # one head's 16-row blocks, in order
+    rows = (torch.arange(heads)[:, None, None] * head_dim + starts[None, :, None]
+            + torch.arange(16)[None, None, :]).flatten()
+    return torch.cat([rows, torch.arange(heads * head_dim, n)])
+
+
 def _call(lib, x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None,
-          res: torch.Tensor | None = None, norm: tuple | None = None, glu: bool = False) -> torch.Tensor:
+          res: torch.Tensor | None = None, norm: tuple | None = None, glu: bool = False,
+          rope: tuple | None = None) -> torch.Tensor:
     k = x.shape[-1]
     x = x.contiguous()
     y = torch.empty(*x.shape[:-1], n, dtype=x.dtype)
@@ -192,17 +208,32 @@ def _call(lib, x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor
         if norm_w.shape != (k,) or norm_w.dtype != x.dtype:
             raise ValueError(f"norm weight {tuple(norm_w.shape)} {norm_w.dtype}: expected ({k},) {x.dtype}")
         h = torch.empty_like(x)  # the normalised rows, read by every panel
-    if glu and res is not None:
-        raise ValueError("glu takes no residual")
+    if (glu or rope) and res is not None or glu and rope:
+        raise ValueError("glu and rope take no residual, and not each other")
+    cos = sin = None
+    heads = head_dim = 0
+    if rope is not None:
+        cos, sin, heads = rope
+        head_dim = cos.shape[-1]
+        cos, sin = cos.reshape(-1, head_dim).contiguous(), sin.reshape(-1, head_dim).contiguous()
+        if (head_dim % 32 or heads * head_dim > n or cos.shape != (x.numel() // k, head_dim)
+                or sin.shape != cos.shape or cos.dtype != x.dtype or sin.dtype != x.dtype):
+            raise ValueError(f"rope: cos / sin {tuple(cos.shape)} {cos.dtype} for {heads} heads of "
+                             f"{n} columns and {x.numel() // k} rows of {x.dtype}")
     lib.rl2_small_gemm(x.data_ptr(), x.numel() // k, k, packed.data_ptr(), n, ptr(bias), ptr(res),
-                       ptr(norm_w), eps, ptr(h), y.data_ptr(), int(glu), torch.get_num_threads())
+                       ptr(norm_w), eps, ptr(h), y.data_ptr(), int(glu), heads, head_dim, ptr(cos),
+                       ptr(sin), torch.get_num_threads())
     return y
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None,
-           res: torch.Tensor | None = None, norm: tuple | None = None, glu: bool = False) -> torch.Tensor:
+           res: torch.Tensor | None = None, norm: tuple | None = None, glu: bool = False,
+           rope: tuple | None = None) -> torch.Tensor:
     """res + (x' [..., K] @ W.T + bias) -> [..., n], W given as `pack(W)` (n rows); x' is x, or with
     norm = (weight [K], eps) x RMS-normalised as HF's fp32 RMSNorm does. With glu, `packed` and
     `bias` come from `pack_glu` / `pack_glu_bias` of a gate and an up projection (n rows each)
-    and the result is SiLU(gate) * up (no res). Needs `available()`."""
-    return _call(load()[0], x, packed, n, bias, res, norm, glu)
+    and the result is SiLU(gate) * up (no res). With rope = (cos, sin, heads) (cos / sin [rows,
+    head_dim], one row per row of x), W and bias come with their rows in `rope_order(n, heads,
+    head_dim)` and the first heads * head_dim output columns are rotated as HF's
+    apply_rotary_pos_emb rotates a head (no res). Needs `available()`."""
+    return _call(load()[0], x, packed, n, bias, res, norm, glu, rope)

@@ -163,6 +163,46 @@ def test_rotary_embedding_matches_hf_rotate_half(heads, kv_heads, head_dim, k, r
 
 
 @needs_kernel
+@pytest.mark.parametrize("head_dim", [64, 128, 80, 16])  # 80, 16: the kernel's generic loop
+@pytest.mark.parametrize("group", [1, 2, 7, 8])
+@pytest.mark.parametrize("width", [1, 16, 17, 100])
+def test_decode_attention_matches_the_eager_ops(head_dim, group, width):
+    # q as llama_forward makes it (a view of the rotated q/k output), keys and values a window
+    # of a larger cache buffer, some rows' leading columns padding (-inf)
+    g = torch.Generator().manual_seed(head_dim + group + width)
+    rows, kv_heads = 5, 2
+    qk = torch.randn(rows, kv_heads * group + kv_heads, head_dim, generator=g)
+    q = qk[:, :kv_heads * group].view(rows, kv_heads, group, head_dim)
+    buffers = [torch.randn(rows + 2, kv_heads, width + 9, head_dim, generator=g) for _ in range(2)]
+    keys, values = (b[:rows, :, 4:4 + width] for b in buffers)
+    pad = torch.tensor([0, width - 1, width // 2, 0, 1])[:rows].clamp(max=width - 1)
+    bias = torch.zeros(rows, 1, 1, width).masked_fill_(torch.arange(width) < pad[:, None, None, None],
+                                                     float("-inf"))
+    got = small_gemm.attention(q, keys, values, bias, head_dim ** -0.5)
+    want = small_gemm.reference_attention(q, keys, values, bias, head_dim ** -0.5)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    # and in llama_forward, through PackedLinears
+    from RL2.rollout import llama_forward
+
+    pl = onednn.PackedLinears(small=True)
+    torch.testing.assert_close(llama_forward._attend_step(q, keys, values, bias, 0.1, pl),
+                               llama_forward._attend_step(q, keys, values, bias, 0.1), rtol=1e-5, atol=1e-6)
+
+
+def test_decode_attention_declines_what_it_does_not_take():
+    q, kv, bias = torch.randn(2, 2, 2, 64), torch.randn(2, 2, 9, 64), torch.zeros(2, 1, 1, 9)
+    for args in [(q.bfloat16(), kv.bfloat16(), kv.bfloat16(), bias.bfloat16()),  # not fp32
+                 (torch.randn(2, 2, 9, 64), torch.randn(2, 2, 9, 64), torch.randn(2, 2, 9, 64),
+                  torch.zeros(2, 1, 1, 9)),  # a group of 9 queries
+                 (torch.randn(2, 2, 2, 40), torch.randn(2, 2, 9, 40), torch.randn(2, 2, 9, 40), bias),
+                 (torch.randn(2, 2, 2, 272), torch.randn(2, 2, 9, 272), torch.randn(2, 2, 9, 272), bias),
+                 (q, kv, kv, torch.zeros(2, 9)),  # the bias in another shape
+                 (q, kv.transpose(2, 3).contiguous().transpose(2, 3), kv, bias)]:  # keys column-major
+        assert small_gemm.attention(*args, 0.125) is None
+    assert onednn.PackedLinears(small=False).attention(q, kv, kv, bias, 0.125) is None
+
+
+@needs_kernel
 def test_fused_arguments_of_the_wrong_shape_are_refused():
     w, x = torch.randn(8, 16), torch.randn(2, 16)
     with pytest.raises(ValueError, match="residual"):

@@ -181,7 +181,7 @@ def mixed(model, tokens: torch.Tensor | None, kv, suffixes: list[list[int]], pre
         if b:
             step_k, step_v = kv.write(li, k[:b], v[:b])
             qg = q[:b].view(b, step_k.shape[1], -1, q.shape[-1])
-            out = torch.cat([_attend_step(qg, step_k, step_v, bias, layer.self_attn.scaling)
+            out = torch.cat([_attend_step(qg, step_k, step_v, bias, layer.self_attn.scaling, linear)
                              .reshape(b, -1), out])
         keys.append(kbuf)
         values.append(vbuf)
@@ -260,11 +260,17 @@ def static_step(model, tokens, positions, column, bias, keys, values, linear=_li
 
 
 def _attend_step(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor,
-                 scale: float) -> torch.Tensor:
+                 scale: float, linear=None) -> torch.Tensor:
     """Attention of a decode step, q [B, kv_heads, G, D] over keys/values [B, kv_heads, W, D]:
-    two batched matmuls and a softmax (in fp32, as HF's eager attention). For these shapes
-    (a few queries per row) PyTorch's CPU flash-attention kernel took 2x as long (192 vs 94 us
-    per layer at 16 rows x 86 columns; benchmarks/README.md, fix 13)."""
+    through `linear.attention` when it takes these tensors (RL2's CPU kernel, fp32: it reads
+    each key and value row once for the whole query group), else two batched matmuls and a
+    softmax (in fp32, as HF's eager attention). For these shapes (a few queries per row)
+    PyTorch's CPU flash-attention kernel took 2x as long as the matmuls (192 vs 94 us per layer
+    at 16 rows x 86 columns; benchmarks/README.md, fix 13)."""
+    attention = getattr(linear, "attention", None)
+    out = attention(q, keys, values, bias, scale) if attention is not None else None
+    if out is not None:
+        return out
     scores = torch.matmul(q, keys.transpose(-1, -2)).mul_(scale).add_(bias)
     return torch.matmul(torch.softmax(scores, -1, dtype=torch.float32).to(q.dtype), values)
 
@@ -284,6 +290,7 @@ def _decode(model, tokens: torch.Tensor, positions: torch.Tensor, bias: torch.Te
         # one row's query heads of a group as a query block: [B, kv_heads, G, D] against the
         # unexpanded cache (no copy of K/V per group), the padding as an additive bias
         qg = q.view(rows, keys.shape[1], -1, q.shape[-1])
-        x = _finish_layer(layer, x, _attend_step(qg, keys, values, bias, layer.self_attn.scaling)
+        x = _finish_layer(layer, x, _attend_step(qg, keys, values, bias,
+                                                   layer.self_attn.scaling, linear)
                           .reshape(rows, -1), linear)
     return _logits(model, x, linear)

@@ -164,6 +164,12 @@ class PackedLinears:
         return None if kernel is None else small_gemm.linear(x, *kernel, res=res, norm=norm,
                                                              glu=glu, rope=rope)
 
+    def attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                  bias: torch.Tensor, scale: float) -> torch.Tensor | None:
+        """A decode step's attention through RL2's kernel (`small_gemm.attention`) when this
+        object sends products there and the kernel takes these tensors, else None."""
+        return small_gemm.attention(q, keys, values, bias, scale) if self.small else None
+
     def _kernel_weights(self, x: torch.Tensor, projs: tuple, glu: bool = False,
                         order: tuple | None = None) -> tuple | None:
         """(strips, output features, bias) of `projs` stacked (glu: a gate and an up projection

@@ -17,6 +17,7 @@
  * fix 26). */
 #include <immintrin.h>
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 
 #define ROWS 12 /* rows per pass */
@@ -196,6 +197,88 @@ void rl2_small_gemm(const float* x, int64_t M, int64_t K, const float* w, int64_
         }
         PANELS[rows](a + m * K, K, w0, w1, y + m * N + n0, N, &em);
       }
+    }
+  }
+}
+
+/* One (row, KV head) pair of a decode step's attention: the scores of its G queries against each
+ * key row (read once for all G: K's chunks in registers), the softmax, then each value row
+ * times the G weights. CH: D / 16, a constant where the compiler can unroll it. */
+#define ATTEND(NAME, CH)                                                                         \
+  static void NAME(const float* qb, const float* kb, const float* vb, const float* mb,          \
+                   int64_t G, int64_t W, int64_t chunks, float scale, float* s, float* og) {     \
+    __m512 qv[8][16], o[8][16], kv[16];                                                          \
+    float mx[8], inv[8];                                                                         \
+    for (int64_t g = 0; g < G; g++) {                                                            \
+      mx[g] = -INFINITY;                                                                         \
+      for (int64_t c = 0; c < CH; c++) {                                                         \
+        qv[g][c] = _mm512_loadu_ps(qb + g * CH * 16 + 16 * c);                                   \
+        o[g][c] = _mm512_setzero_ps();                                                           \
+      }                                                                                          \
+    }                                                                                            \
+    for (int64_t w = 0; w < W; w++) { /* the product, times scale, plus the bias */              \
+      for (int64_t c = 0; c < CH; c++) kv[c] = _mm512_loadu_ps(kb + (w * CH + c) * 16);          \
+      for (int64_t g = 0; g < G; g++) {                                                          \
+        __m512 acc = _mm512_mul_ps(qv[g][0], kv[0]);                                             \
+        for (int64_t c = 1; c < CH; c++) acc = _mm512_fmadd_ps(qv[g][c], kv[c], acc);            \
+        float x = _mm512_reduce_add_ps(acc) * scale;                                             \
+        x = x + mb[w];                                                                           \
+        s[g * W + w] = x;                                                                        \
+        mx[g] = x > mx[g] ? x : mx[g];                                                           \
+      }                                                                                          \
+    }                                                                                            \
+    for (int64_t g = 0; g < G; g++) { /* softmax: exp(x - max), then times 1 / sum */            \
+      __m512 sum = _mm512_setzero_ps(), top = _mm512_set1_ps(mx[g]);                             \
+      for (int64_t w = 0; w < W; w += 16) {                                                      \
+        __mmask16 m = W - w >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (W - w)) - 1u);       \
+        __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + g * W + w), top));           \
+        e = _mm512_maskz_mov_ps(m, e);                                                           \
+        _mm512_mask_storeu_ps(s + g * W + w, m, e);                                              \
+        sum = _mm512_add_ps(sum, e);                                                             \
+      }                                                                                          \
+      inv[g] = 1.0f / _mm512_reduce_add_ps(sum);                                                 \
+    }                                                                                            \
+    for (int64_t w = 0; w < W; w++) {                                                            \
+      for (int64_t c = 0; c < CH; c++) kv[c] = _mm512_loadu_ps(vb + (w * CH + c) * 16);          \
+      for (int64_t g = 0; g < G; g++) {                                                          \
+        __m512 p = _mm512_set1_ps(s[g * W + w] * inv[g]);                                        \
+        for (int64_t c = 0; c < CH; c++) o[g][c] = _mm512_fmadd_ps(p, kv[c], o[g][c]);           \
+      }                                                                                          \
+    }                                                                                            \
+    for (int64_t g = 0; g < G; g++)                                                              \
+      for (int64_t c = 0; c < CH; c++) _mm512_storeu_ps(og + g * CH * 16 + 16 * c, o[g][c]);    \
+  }
+ATTEND(attend_4, 4)     /* head_dim 64 */
+ATTEND(attend_8, 8)     /* head_dim 128 */
+ATTEND(attend_n, chunks) /* other multiples of 16, up to 256 */
+
+/* A decode step's attention, HF's eager formulation: for each row b, KV head h and query g of
+ * its group, softmax(q . K^T * scale + bias[b]) in fp32, then the weights times V.
+ * q: element (b, h, g, d) at b * q_sb + h * q_sh + g * D + d; k, v: (b, h, w, d) at b * kv_sb +
+ * h * kv_sh + w * D + d (a window of the cache); bias: B x W (0 or -inf); D a multiple of 16,
+ * at most 256; G at most 8; scratch: threads x G x W floats; out: B x KH x G x D. (b, h) pairs
+ * are shared out among threads. Two batched matmuls, which read each key and value row once
+ * per query, took 1.3-1.6x as long (benchmarks/README.md, fix 26). */
+void rl2_decode_attention(const float* q, int64_t B, int64_t KH, int64_t G, int64_t D,
+                          int64_t q_sb, int64_t q_sh, const float* k, const float* v,
+                          int64_t kv_sb, int64_t kv_sh, int64_t W, const float* bias, float scale,
+                          float* scratch, float* out, int threads) {
+  int64_t chunks = D / 16;
+#pragma omp parallel num_threads(threads)
+  {
+    float* s = scratch + (int64_t)omp_get_thread_num() * G * W; /* scores, then weights */
+#pragma omp for schedule(static)
+    for (int64_t bh = 0; bh < B * KH; bh++) {
+      int64_t b = bh / KH, h = bh % KH;
+      const float *qb = q + b * q_sb + h * q_sh, *kb = k + b * kv_sb + h * kv_sh;
+      const float *vb = v + b * kv_sb + h * kv_sh, *mb = bias + b * W;
+      float* og = out + bh * G * D;
+      if (chunks == 4)
+        attend_4(qb, kb, vb, mb, G, W, chunks, scale, s, og);
+      else if (chunks == 8)
+        attend_8(qb, kb, vb, mb, G, W, chunks, scale, s, og);
+      else
+        attend_n(qb, kb, vb, mb, G, W, chunks, scale, s, og);
     }
   }
 }

@@ -106,6 +106,12 @@ def _self_check(lib) -> None:
             and torch.allclose(glu, F.silu(F.linear(h, w, b)) * F.linear(h, u), rtol=1e-4, atol=1e-4)
             and torch.allclose(_call(lib, x, pack(w), 40, b), F.linear(x, w, b), rtol=1e-4, atol=1e-4)):
         raise RuntimeError("the built kernel's products differ from torch's")
+    q, kv = torch.randn(3, 2, 3, 32, generator=g), torch.randn(2, 3, 2, 7, 32, generator=g)
+    bias = torch.zeros(3, 1, 1, 7)
+    bias[1, ..., :4] = float("-inf")
+    if not torch.allclose(_attend(lib, q, kv[0], kv[1], bias, 0.2),
+                          reference_attention(q, kv[0], kv[1], bias, 0.2), rtol=1e-4, atol=1e-5):
+        raise RuntimeError("the built kernel's attention differs from torch's")
 
 
 @lru_cache(maxsize=None)
@@ -133,6 +139,9 @@ def load():
         lib.rl2_small_gemm.argtypes = [p, i, i, p, i, p, p, p, ctypes.c_float, p, p, ctypes.c_int,
                                        i, i, p, p, ctypes.c_int]
         lib.rl2_small_gemm.restype = None
+        lib.rl2_decode_attention.argtypes = [p, i, i, i, i, i, i, p, p, i, i, i, p, ctypes.c_float,
+                                             p, p, ctypes.c_int]
+        lib.rl2_decode_attention.restype = None
         if len(openmp_libraries()) != 1:
             return None, "loading the kernel brought a second OpenMP runtime"
         _self_check(lib)
@@ -237,3 +246,42 @@ def linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | N
     head_dim)` and the first heads * head_dim output columns are rotated as HF's
     apply_rotary_pos_emb rotates a head (no res). Needs `available()`."""
     return _call(load()[0], x, packed, n, bias, res, norm, glu, rope)
+
+
+def reference_attention(q, keys, values, bias, scale):
+    """`attention`'s result in PyTorch ops (llama_forward's eager decode-step attention)."""
+    scores = torch.matmul(q, keys.transpose(-1, -2)).mul_(scale).add_(bias)
+    return torch.matmul(torch.softmax(scores, -1, dtype=torch.float32).to(q.dtype), values)
+
+
+def _attend(lib, q, keys, values, bias, scale):
+    b, kh, g, d = q.shape
+    w = keys.shape[2]
+    out = torch.empty(b, kh, g, d, dtype=q.dtype)
+    threads = torch.get_num_threads()
+    scratch = torch.empty(threads * g * w, dtype=torch.float32)
+    lib.rl2_decode_attention(q.data_ptr(), b, kh, g, d, q.stride(0), q.stride(1), keys.data_ptr(),
+                             values.data_ptr(), keys.stride(0), keys.stride(1), w, bias.data_ptr(),
+                             float(scale), scratch.data_ptr(), out.data_ptr(), threads)
+    return out
+
+
+def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor,
+              scale: float) -> torch.Tensor | None:
+    """A decode step's attention through the kernel: q [B, kv_heads, G, D] (the G query heads of
+    each KV head) over keys / values [B, kv_heads, W, D] (a window of the cache, rows of D
+    contiguous floats), bias [B, 1, 1, W] additive (0 / -inf): `reference_attention` within
+    fp32 rounding, [B, kv_heads, G, D]. None when the kernel does not take these tensors (not
+    fp32 CPU tensors, another layout, D not a multiple of 16 up to 256, G > 8, or no kernel)."""
+    lib = load()[0]
+    if lib is None or q.dim() != 4 or keys.shape != values.shape or keys.stride() != values.stride():
+        return None
+    b, kh, g, d = q.shape
+    w = keys.shape[2]
+    if (any(t.dtype != torch.float32 or t.device.type != "cpu" or type(t) is not torch.Tensor
+            for t in (q, keys, values, bias))
+            or d % 16 or d > 256 or g > 8 or not b * w or keys.shape[:2] != (b, kh)
+            or keys.shape[3] != d or keys.stride()[2:] != (d, 1) or q.stride()[2:] != (d, 1)
+            or bias.shape != (b, 1, 1, w) or not bias.is_contiguous()):
+        return None
+    return _attend(lib, q, keys, values, bias, scale)

@@ -193,8 +193,9 @@ def main():
     parser.add_argument("--ab-small-gemm", action="store_true",
                         help="also time an engine without the kernel, alternating in this run")
     parser.add_argument("--ab-fused", action="store_true",
-                        help="also time an engine whose kernel leaves the RMSNorms and residual "
-                             "adds to eager ops (before fix 26), alternating in this run")
+                        help="also time an engine whose kernel does the products only, the "
+                             "norms, residual adds, activation, rotary and attention left to "
+                             "eager ops (before fix 26), alternating in this run")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model = build_model(args)
@@ -204,8 +205,8 @@ def main():
         other = TorchEngine(model, None, compile_decode=args.compile_decode,
                             small_gemm=args.small_gemm and not args.ab_small_gemm)
         label = "oneDNN engine" if args.ab_small_gemm else "unfused engine"
-        if args.ab_fused:  # llama_forward then runs the norms and adds as eager ops
-            other.runner.linear.fused = None
+        if args.ab_fused:  # llama_forward then runs them as eager ops
+            other.runner.linear.fused = other.runner.linear.attention = None
     rows = []
     workloads = [("(a) one batch", bench_one_batch),
                  ("(a') one batch, mixed responses", bench_one_batch_mixed_responses),

@@ -8,9 +8,12 @@ module attributes (`embed_tokens`, `layers[i].{input_layernorm, self_attn.{q,k,v
 post_attention_layernorm, mlp.{gate,up,down}_proj}`, `norm`, `rotary_emb`, `lm_head`), which
 `supports` checks; (2) speed: prefill runs unpadded (all prompts packed into one sequence for the
 matmuls, attention per prompt), and a decode step adds a per-row padding bias to grouped-query
-attention without expanding K/V and without HF's mask construction. The model's own norms and
-rotary module are called, so numerics and RoPE variants stay HF's; tests compare both paths to
-HF `generate` and to an HF forward.
+attention without expanding K/V and without HF's mask construction. The model's own rotary
+module gives cos / sin and its norms' weights and epsilon are used as HF uses them, so numerics
+and RoPE variants stay HF's; on the CPU in fp32 RL2's kernel (`linear.fused`, `linear.attention`,
+RL2/utils/small_gemm.c) does the norm, rotation, residual add, SiLU(gate) * up and decode-step
+attention around its products with HF's arithmetic (sums in another order). Tests compare
+both paths to HF `generate` and to an HF forward.
 """
 from __future__ import annotations
 

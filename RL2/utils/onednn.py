@@ -110,9 +110,11 @@ def use_for_linears(model: torch.nn.Module) -> int:
 
 
 class PackedLinears:
-    """Inference copies of linear weights in oneDNN's blocked layout, made on first use. The
-    owner calls `clear()` whenever weights change (in place or replaced): a copy is only keyed
-    by its module and the weight's storage, which an in-place copy does not change."""
+    """Inference copies of linear weights in oneDNN's blocked layout, made on first use, and
+    with `small` in RL2's kernel's layout for products of a few rows (which `fused` and
+    `attention` extend to the ops around them in a decode step). The owner calls `clear()`
+    whenever weights change (in place or replaced): a copy is only keyed by its module and the
+    weight's storage, which an in-place copy does not change."""
 
     def __init__(self, enabled: bool = True, small: bool = False):
         self.enabled = enabled and available()

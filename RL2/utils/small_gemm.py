@@ -6,9 +6,10 @@ at the machine's rate there. On the 2-core Intel Xeon of benchmarks/README.md (f
 25.7M model's linear layers at 16 rows took 7.95 ms through `small_gemm.c` against 11.08 ms
 through oneDNN's packed weights (1.15-1.67x at 1-64 rows, 1.06-1.11x at 96-128), and the
 small ops after each product ran faster too (the kernel drags less through the caches). It
-also takes the RMSNorm before a product and the residual add after it (fix 26): a decode step's
-eager ops cost more than their arithmetic. Products of more rows
-(prefill) stay on oneDNN, so the engine holds both packed copies of its weights.
+also takes the RMSNorm before a product, the rotary embedding, residual add or SiLU(gate) * up
+after it, and the decode step's attention (`attention`), each with HF's arithmetic (fix 26): as
+eager ops they cost a decode step more than their arithmetic. Products of more rows (prefill)
+stay on oneDNN, so the engine holds both packed copies of its weights.
 
 The C source ships with the package and is compiled on first use with the system's C compiler
 (`$CC`, else gcc / cc; about a second) into `$RL2_CACHE_DIR` (default `~/.cache/rl2`), keyed by

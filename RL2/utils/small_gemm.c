@@ -1,6 +1,6 @@
 /* y[M, N] = x[M, K] @ W[N, K]^T (+ bias) (+ res), fp32, AVX-512: the linear layers of a CPU
- * decode step, optionally with the RMSNorm before them and the residual add or the gated MLP's
- * SiLU(gate) * up after them.
+ * decode step, optionally with the RMSNorm before them and the rotary embedding, the residual
+ * add or the gated MLP's SiLU(gate) * up after them; and the decode step's attention.
  *
  * At a decode step's few rows the product is bound by reading the weights. Each weight is read
  * from memory once per call: W comes repacked into strips of 16 output columns (strip s holds
@@ -12,9 +12,9 @@
  * multiply-add per step: fp32 throughout, rounded differently from a blocked BLAS, and the same
  * bits with any thread count. Built by small_gemm.py with -O3 -mavx512f -mfma -fopenmp.
  *
- * The fused norm, residual and activation save the decode step six eager PyTorch ops per layer,
- * each slowed by the weight stream that just went through the caches (benchmarks/README.md,
- * fix 26). */
+ * The fused norm, rotary, residual and activation save the decode step some twenty eager
+ * PyTorch ops per layer, each slowed by the weight stream that just went through the caches
+ * (benchmarks/README.md, fix 26). */
 #include <immintrin.h>
 #include <math.h>
 #include <omp.h>

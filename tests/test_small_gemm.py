@@ -58,12 +58,16 @@ def test_batched_input_and_more_rows_than_a_strip_takes():
 def test_same_bits_with_any_thread_count():
     # each output column is one thread's ordered sum: the thread count cannot change a bit
     w, x = torch.randn(304, 256), torch.randn(16, 256)
-    packed, before = small_gemm.pack(w), torch.get_num_threads()
+    packed = small_gemm.pack(w)
+    _same_bits_with_1_2_3_threads(lambda: small_gemm.linear(x, packed, 304))
+
+
+def _same_bits_with_1_2_3_threads(fn):
+    before, outs = torch.get_num_threads(), []
     try:
-        outs = []
         for threads in (1, 2, 3):
             torch.set_num_threads(threads)
-            outs.append(small_gemm.linear(x, packed, 304))
+            outs.append(fn())
     finally:
         torch.set_num_threads(before)
     assert all(torch.equal(outs[0], o) for o in outs[1:])
@@ -86,15 +90,7 @@ def test_fused_norm_and_residual_match_the_eager_ops(n, k, rows):
     torch.testing.assert_close(small_gemm.linear(x, packed, n, None, res, (nw, 1e-6)),
                                res + F.linear(normed, w), **tol)
     # the norm's rows are shared out among threads, the panels after a barrier: same bits
-    before = torch.get_num_threads()
-    try:
-        outs = []
-        for threads in (1, 2, 3):
-            torch.set_num_threads(threads)
-            outs.append(small_gemm.linear(x, packed, n, b, res, (nw, 1e-6)))
-    finally:
-        torch.set_num_threads(before)
-    assert all(torch.equal(outs[0], o) for o in outs[1:])
+    _same_bits_with_1_2_3_threads(lambda: small_gemm.linear(x, packed, n, b, res, (nw, 1e-6)))
 
 
 @needs_kernel

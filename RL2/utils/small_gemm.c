@@ -258,7 +258,7 @@ ATTEND(attend_n, chunks) /* other multiples of 16, up to 256 */
  * h * kv_sh + w * D + d (a window of the cache); bias: B x W (0 or -inf); D a multiple of 16,
  * at most 256; G at most 8; scratch: threads x G x W floats; out: B x KH x G x D. (b, h) pairs
  * are shared out among threads. Two batched matmuls, which read each key and value row once
- * per query, took 1.3-1.6x as long (benchmarks/README.md, fix 26). */
+ * per query, took 1.15-1.6x as long (benchmarks/README.md, fix 26). */
 void rl2_decode_attention(const float* q, int64_t B, int64_t KH, int64_t G, int64_t D,
                           int64_t q_sb, int64_t q_sh, const float* k, const float* v,
                           int64_t kv_sb, int64_t kv_sh, int64_t W, const float* bias, float scale,

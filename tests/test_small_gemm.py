@@ -174,12 +174,12 @@ def test_decode_attention_matches_the_eager_ops(head_dim, group, width):
     pad = torch.tensor([0, width - 1, width // 2, 0, 1])[:rows].clamp(max=width - 1)
     bias = torch.zeros(rows, 1, 1, width).masked_fill_(torch.arange(width) < pad[:, None, None, None],
                                                      float("-inf"))
-    got = small_gemm.attention(q, keys, values, bias, head_dim ** -0.5)
-    want = small_gemm.reference_attention(q, keys, values, bias, head_dim ** -0.5)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
-    # and in llama_forward, through PackedLinears
     from RL2.rollout import llama_forward
 
+    got = small_gemm.attention(q, keys, values, bias, head_dim ** -0.5)
+    want = llama_forward._attend_step(q, keys, values, bias, head_dim ** -0.5)  # the eager ops
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    # and in llama_forward, through PackedLinears
     pl = onednn.PackedLinears(small=True)
     torch.testing.assert_close(llama_forward._attend_step(q, keys, values, bias, 0.1, pl),
                                llama_forward._attend_step(q, keys, values, bias, 0.1), rtol=1e-5, atol=1e-6)

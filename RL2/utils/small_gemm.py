@@ -110,8 +110,10 @@ def _self_check(lib) -> None:
     q, kv = torch.randn(3, 2, 3, 32, generator=g), torch.randn(2, 3, 2, 7, 32, generator=g)
     bias = torch.zeros(3, 1, 1, 7)
     bias[1, ..., :4] = float("-inf")
+    from RL2.rollout.llama_forward import _attend_step  # its eager ops: what the kernel replaces
+
     if not torch.allclose(_attend(lib, q, kv[0], kv[1], bias, 0.2),
-                          reference_attention(q, kv[0], kv[1], bias, 0.2), rtol=1e-4, atol=1e-5):
+                          _attend_step(q, kv[0], kv[1], bias, 0.2), rtol=1e-4, atol=1e-5):
         raise RuntimeError("the built kernel's attention differs from torch's")
 
 
@@ -249,12 +251,6 @@ def linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | N
     return _call(load()[0], x, packed, n, bias, res, norm, glu, rope)
 
 
-def reference_attention(q, keys, values, bias, scale):
-    """`attention`'s result in PyTorch ops (llama_forward's eager decode-step attention)."""
-    scores = torch.matmul(q, keys.transpose(-1, -2)).mul_(scale).add_(bias)
-    return torch.matmul(torch.softmax(scores, -1, dtype=torch.float32).to(q.dtype), values)
-
-
 def _attend(lib, q, keys, values, bias, scale):
     b, kh, g, d = q.shape
     w = keys.shape[2]
@@ -271,8 +267,8 @@ def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: t
               scale: float) -> torch.Tensor | None:
     """A decode step's attention through the kernel: q [B, kv_heads, G, D] (the G query heads of
     each KV head) over keys / values [B, kv_heads, W, D] (a window of the cache, rows of D
-    contiguous floats), bias [B, 1, 1, W] additive (0 / -inf): `reference_attention` within
-    fp32 rounding, [B, kv_heads, G, D]. None when the kernel does not take these tensors (not
+    contiguous floats), bias [B, 1, 1, W] additive (0 / -inf): llama_forward's eager
+    `_attend_step` within fp32 rounding, [B, kv_heads, G, D]. None when the kernel does not take these tensors (not
     fp32 CPU tensors, another layout, D not a multiple of 16 up to 256, G > 8, or no kernel)."""
     lib = load()[0]
     if lib is None or q.dim() != 4 or keys.shape != values.shape or keys.stride() != values.stride():

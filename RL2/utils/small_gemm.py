@@ -268,8 +268,9 @@ def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: t
     """A decode step's attention through the kernel: q [B, kv_heads, G, D] (the G query heads of
     each KV head) over keys / values [B, kv_heads, W, D] (a window of the cache, rows of D
     contiguous floats), bias [B, 1, 1, W] additive (0 / -inf): llama_forward's eager
-    `_attend_step` within fp32 rounding, [B, kv_heads, G, D]. None when the kernel does not take these tensors (not
-    fp32 CPU tensors, another layout, D not a multiple of 16 up to 256, G > 8, or no kernel)."""
+    `_attend_step` within fp32 rounding, [B, kv_heads, G, D]. None when the kernel does not
+    take these tensors (not fp32 CPU tensors, another layout, D not a multiple of 16 up to
+    256, G > 8, or no kernel)."""
     lib = load()[0]
     if lib is None or q.dim() != 4 or keys.shape != values.shape or keys.stride() != values.stride():
         return None

@@ -196,16 +196,22 @@ def main():
                         help="also time an engine whose kernel does the products only, the "
                              "norms, residual adds, activation, rotary and attention left to "
                              "eager ops (before fix 26), alternating in this run")
+    parser.add_argument("--ab-whole-layer", action="store_true",
+                        help="also time an engine that runs the kernel's fused ops one call at a "
+                             "time, without decode_layer (before fix 27), alternating in this run")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model = build_model(args)
     engine = TorchEngine(model, None, compile_decode=args.compile_decode, small_gemm=args.small_gemm)
     other, label = None, ""
-    if args.ab_small_gemm or args.ab_fused:
+    if args.ab_small_gemm or args.ab_fused or args.ab_whole_layer:
         other = TorchEngine(model, None, compile_decode=args.compile_decode,
                             small_gemm=args.small_gemm and not args.ab_small_gemm)
-        label = "oneDNN engine" if args.ab_small_gemm else "unfused engine"
-        if args.ab_fused:  # llama_forward then runs them as eager ops
+        label = ("oneDNN engine" if args.ab_small_gemm else "unfused engine" if args.ab_fused
+                 else "op-by-op engine")
+        if args.ab_fused or args.ab_whole_layer:  # llama_forward then runs them one by one
+            other.runner.linear.decode_layer = None
+        if args.ab_fused:  # and as eager ops
             other.runner.linear.fused = other.runner.linear.attention = None
     rows = []
     workloads = [("(a) one batch", bench_one_batch),

@@ -12,7 +12,7 @@ import textwrap
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from RL2.rollout.engine import SamplingParams
 from RL2.rollout.torch_engine import TorchEngine
@@ -287,36 +287,48 @@ def test_packed_linears_route_few_rows_to_the_kernel_and_the_rest_to_onednn():
 
 
 @needs_kernel
-def test_decoder_layers_with_the_kernels_fused_ops_match_hf():
-    # llama_forward hands each layer's RMSNorms, rotary, residual adds and SiLU(gate) * up to
-    # the kernel when it takes the product: the prefill (180 rows: oneDNN, unfused) and the
-    # decode steps (fused) must both still give HF's logits
+def _decode_steps(model, pl, ids):
+    """Logits of llama_forward's prefill of ids[:, :60] and decode steps over the rest, through pl."""
     from RL2.rollout import llama_forward
     from RL2.rollout.kv_cache import BatchKV
 
-    model = _model(5)
-    pl, calls = onednn.PackedLinears(small=True), []
-    fused = pl.fused
-
-    def counted(*a, **kw):
-        out = fused(*a, **kw)
-        if out is not None:  # the kernel took it
-            calls.append(kw)
-        return out
-    pl.fused = counted
-    ids = torch.randint(4, 512, (3, 64), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        want = model(ids).logits
     logits, keys, values, lens = llama_forward.prefill(model, [r[:60].tolist() for r in ids],
-                                                       [None] * 3, "cpu", pl)
+                                                       [None] * len(ids), "cpu", pl)
     kv = BatchKV()
     kv.add(keys, values, lens, room=8)
     got = [logits]
-    for j in range(60, 64):
+    for j in range(60, ids.shape[1]):
         kv.reserve(1)
         got.append(llama_forward.decode(model, ids[:, j], kv, pl))
         kv.advance()
-    torch.testing.assert_close(torch.stack(got, 1), want[:, 59:], rtol=1e-4, atol=1e-4)
+    return torch.stack(got, 1)
+
+
+def _counting(pl, name, calls):
+    method = getattr(pl, name)
+
+    def counted(*a, **kw):
+        out = method(*a, **kw)
+        if out is not None:  # the kernel took it
+            calls.append(kw)
+        return out
+    setattr(pl, name, counted)
+
+
+@needs_kernel
+def test_decoder_layers_with_the_kernels_fused_ops_match_hf():
+    # llama_forward hands each layer's RMSNorms, rotary, residual adds and SiLU(gate) * up to
+    # the kernel when it takes the product: the prefill (180 rows: oneDNN, unfused) and the
+    # decode steps (fused; here op by op, without decode_layer) must both still give HF's logits
+    model = _model(5)
+    pl, calls = onednn.PackedLinears(small=True), []
+    pl.decode_layer = None
+    _counting(pl, "fused", calls)
+    ids = torch.randint(4, 512, (3, 64), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = model(ids).logits
+    got = _decode_steps(model, pl, ids)
+    torch.testing.assert_close(got, want[:, 59:], rtol=1e-4, atol=1e-4)
     # at each of the 4 decode steps, per layer: the q/k/v product with its norm and rotation,
     # o_proj with its residual, gate/up with its norm and activation, down_proj with its
     # residual; then the final norm with the LM head. The prefill's 180-row products went to oneDNN, only its
@@ -325,6 +337,71 @@ def test_decoder_layers_with_the_kernels_fused_ops_match_hf():
     assert sum("res" in kw for kw in calls) == 4 * 2 * 2
     assert sum(kw.get("glu", False) for kw in calls) == 4 * 2
     assert sum(kw.get("rope") is not None for kw in calls) == 4 * 2
+
+
+@needs_kernel
+@pytest.mark.parametrize("heads,kv_heads,hidden,bias", [(4, 2, 128, True), (2, 1, 256, False),
+                                                         (8, 1, 256, True), (4, 4, 128, False)])
+def test_whole_decode_layers_equal_the_op_by_op_path_bit_for_bit(heads, kv_heads, hidden, bias):
+    # decode_layer runs a layer's fused ops in one kernel call and writes the cache itself: the
+    # same arithmetic in the same order as the op-by-op path, so the same bits, over steps that
+    # evict rows and move the window; head_dim 32 / 64 / 128 and query groups of 1 / 2 / 8
+    from RL2.rollout import llama_forward
+    from RL2.rollout.kv_cache import BatchKV
+
+    torch.manual_seed(7)
+    cls = Qwen2ForCausalLM if bias else LlamaForCausalLM
+    cfg = (Qwen2Config if bias else LlamaConfig)(
+        vocab_size=300, hidden_size=hidden, intermediate_size=2 * hidden + 16, num_hidden_layers=2,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=256)
+    model = cls(cfg).eval()
+    prompts = [[(7 * i + 3 * j) % 300 for j in range(3 + 5 * i)] for i in range(5)]
+    runs = []
+    for whole in (True, False):
+        pl, calls = onednn.PackedLinears(small=True), []
+        if whole:
+            _counting(pl, "decode_layer", calls)
+        else:
+            pl.decode_layer = None
+        logits, keys, values, lens = llama_forward.prefill(model, prompts, [None] * 5, "cpu", pl)
+        kv, last, out = BatchKV(), logits.argmax(-1), []
+        kv.add(keys, values, lens, room=4)  # too little room: the window moves, buffers grow
+        for step in range(12):
+            kv.reserve(1)
+            lg = llama_forward.decode(model, last, kv, pl)
+            kv.advance()
+            out.append(lg)
+            last = lg.argmax(-1)
+            if step == 5:
+                kv.compact([4, 1, 3])
+                last = last[[4, 1, 3]]
+        runs.append((out, calls))
+    (got, calls), (want, _) = runs
+    assert len(calls) == 12 * 2  # every layer of every step in one call
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
+@needs_kernel
+def test_whole_decode_layer_declines_what_it_does_not_take():
+    # the caller falls back to the op-by-op path on None: wrong dtypes, shapes or windows
+    x = torch.randn(2, 64)
+    keys = torch.zeros(2, 1, 8, 32)
+    w = small_gemm.pack(torch.randn(128, 64))
+    args = dict(norm1=(torch.ones(64), 1e-6), qkv=(w, 128, None), rope=(torch.ones(2, 32), torch.zeros(2, 32)),
+                cache=(keys, keys.clone(), 2, 5), bias=torch.zeros(2, 1, 1, 4), scale=0.1,
+                o=(small_gemm.pack(torch.randn(64, 64)), 64, None), norm2=(torch.ones(64), 1e-6),
+                glu=(small_gemm.pack_glu(torch.randn(32, 64), torch.randn(32, 64)), 32, None),
+                down=(small_gemm.pack(torch.randn(64, 32)), 64, None))
+    assert small_gemm.decode_layer(x, **args) is not None
+    for change in (dict(bias=torch.zeros(2, 1, 1, 5)),                       # window is 4 wide
+                   dict(cache=(keys, keys.clone(), 2, 8)),                   # column past the buffer
+                   dict(cache=(keys.double(), keys.double(), 2, 5)),
+                   dict(rope=(torch.ones(2, 16), torch.zeros(2, 16))),       # head_dim 16: no rope
+                   dict(qkv=(w, 112, None))):                                 # not heads + 2 kv heads
+        assert small_gemm.decode_layer(x, **{**args, **change}) is None, change
+    assert small_gemm.decode_layer(x.double(), **args) is None
+    assert small_gemm.decode_layer(torch.randn(3, 64), **args) is None       # rows != cos rows
 
 
 def _model(seed):

@@ -14,14 +14,14 @@
  *
  * The fused norm, rotary, residual and activation save the decode step some twenty eager
  * PyTorch ops per layer, each slowed by the weight stream that just went through the caches
- * (benchmarks/README.md, fix 26). */
+ * (benchmarks/README.md, fix 26); rl2_decode_layer chains a layer's calls in C (fix 27). */
 #include <immintrin.h>
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
 
 #define ROWS 12 /* rows per pass */
-#define AHEAD 16 /* prefetch distance in k (1 KiB of a strip) */
+#define AHEAD 64 /* prefetch distance in k (4 KiB of a strip; 16 was 5-20% slower, fix 27) */
 
 /* e^x, 16 lanes: 2^n * e^r with n = round(x / ln 2), r = x - n ln 2 (ln 2 in two parts, |r| <=
  * 0.35), e^r by its Taylor series to r^7 (truncation < 1e-8, under fp32's rounding): within a
@@ -281,4 +281,45 @@ void rl2_decode_attention(const float* q, int64_t B, int64_t KH, int64_t G, int6
         attend_n(qb, kb, vb, mb, G, W, chunks, scale, s, og);
     }
   }
+}
+
+/* One decoder layer of a decode step (Llama / Qwen2 / Mistral, fp32) in one call, as
+ * llama_forward's fused ops do it, op for op and so bit for bit: the q/k/v product with the
+ * input norm and the rotary embedding (qkv_w in rope order), this step's keys and values
+ * written at `column` of the cache buffers, the attention over columns [start, column], the
+ * output projection plus x, and the MLP (norm, SiLU(gate) * up, down projection plus the
+ * residual). Saves the step the Python and the ~20 small PyTorch ops between those calls.
+ * x, out: M x hidden; kbuf, vbuf: the layer's cache buffers ((b, h, w, d) at b * kv_sb + h *
+ * kv_sh + w * D + d); bias: M x (column + 1 - start); scratch: threads x G x that many floats;
+ * h: M x hidden; qkv: M x (heads + 2 kv_heads) D; att: M x heads D; x2: M x hidden; act: M x
+ * inter (the layer's intermediates, the caller's buffers). */
+void rl2_decode_layer(const float* x, int64_t M, int64_t hidden, int64_t heads, int64_t kv_heads,
+                      int64_t D, const float* norm1, float eps1, const float* qkv_w,
+                      const float* qkv_b, const float* cos, const float* sin, float* kbuf,
+                      float* vbuf, int64_t kv_sb, int64_t kv_sh, int64_t start, int64_t column,
+                      const float* bias, float scale, float* scratch, const float* o_w,
+                      const float* o_b, const float* norm2, float eps2, const float* gu_w,
+                      const float* gu_b, int64_t inter, const float* down_w, const float* down_b,
+                      float* h, float* qkv, float* att, float* x2, float* act, float* out,
+                      int threads) {
+  int64_t nq = heads * D, nkv = kv_heads * D, n = nq + 2 * nkv;
+  rl2_small_gemm(x, M, hidden, qkv_w, n, qkv_b, 0, norm1, eps1, h, qkv, 0, heads + kv_heads, D,
+                 cos, sin, threads);
+  for (int64_t b = 0; b < M; b++)
+    for (int64_t j = 0; j < kv_heads; j++) {
+      float* kd = kbuf + b * kv_sb + j * kv_sh + column * D;
+      float* vd = vbuf + b * kv_sb + j * kv_sh + column * D;
+      const float* src = qkv + b * n + nq + j * D;
+      for (int64_t d = 0; d < D; d++) {
+        kd[d] = src[d];
+        vd[d] = src[nkv + d];
+      }
+    }
+  rl2_decode_attention(qkv, M, kv_heads, heads / kv_heads, D, n, heads / kv_heads * D,
+                       kbuf + start * D, vbuf + start * D, kv_sb, kv_sh, column + 1 - start, bias,
+                       scale, scratch, att, threads);
+  rl2_small_gemm(att, M, nq, o_w, hidden, o_b, x, 0, 0.0f, 0, x2, 0, 0, 0, 0, 0, threads);
+  rl2_small_gemm(x2, M, hidden, gu_w, inter, gu_b, 0, norm2, eps2, h, act, 1, 0, 0, 0, 0, threads);
+  rl2_small_gemm(act, M, inter, down_w, hidden, down_b, x2, 0, 0.0f, 0, out, 0, 0, 0, 0, 0,
+                 threads);
 }

@@ -8,8 +8,10 @@ through oneDNN's packed weights (1.15-1.67x at 1-64 rows, 1.06-1.11x at 96-128),
 small ops after each product ran faster too (the kernel drags less through the caches). It
 also takes the RMSNorm before a product, the rotary embedding, residual add or SiLU(gate) * up
 after it, and the decode step's attention (`attention`), each with HF's arithmetic (fix 26): as
-eager ops they cost a decode step more than their arithmetic. Products of more rows (prefill)
-stay on oneDNN, so the engine holds both packed copies of its weights.
+eager ops they cost a decode step more than their arithmetic. `decode_layer` runs a whole
+decoder layer of a decode step (those ops and the KV cache write) in one call, the same bits as
+op by op without the Python between them (fix 27). Products of more rows (prefill) stay on
+oneDNN, so the engine holds both packed copies of its weights.
 
 The C source ships with the package and is compiled on first use with the system's C compiler
 (`$CC`, else gcc / cc; about a second) into `$RL2_CACHE_DIR` (default `~/.cache/rl2`), keyed by
@@ -145,6 +147,10 @@ def load():
         lib.rl2_decode_attention.argtypes = [p, i, i, i, i, i, i, p, p, i, i, i, p, ctypes.c_float,
                                              p, p, ctypes.c_int]
         lib.rl2_decode_attention.restype = None
+        lib.rl2_decode_layer.argtypes = [p, i, i, i, i, i, p, ctypes.c_float, p, p, p, p, p, p, i,
+                                         i, i, i, p, ctypes.c_float, p, p, p, p, ctypes.c_float, p,
+                                         p, i, p, p, p, p, p, p, p, p, ctypes.c_int]
+        lib.rl2_decode_layer.restype = None
         if len(openmp_libraries()) != 1:
             return None, "loading the kernel brought a second OpenMP runtime"
         _self_check(lib)
@@ -283,3 +289,53 @@ def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: t
             or bias.shape != (b, 1, 1, w) or not bias.is_contiguous()):
         return None
     return _attend(lib, q, keys, values, bias, scale)
+
+
+def decode_layer(x: torch.Tensor, norm1: tuple, qkv: tuple, rope: tuple, cache: tuple,
+                 bias: torch.Tensor, scale: float, o: tuple, norm2: tuple, glu: tuple,
+                 down: tuple) -> torch.Tensor | None:
+    """One decoder layer of a decode step in one kernel call (`rl2_decode_layer`): what
+    llama_forward's fused ops compute, bit for bit, without the Python between them.
+    x [M, hidden]; norm1 / norm2: (weight, eps) of the input and post-attention RMSNorms;
+    qkv, o, glu, down: (packed, output features, bias) as `linear` takes them (qkv in
+    `rope_order` over the query and key heads, glu from `pack_glu`); rope: (cos, sin) [M, D];
+    cache: (keys, values, start, column): the layer's buffers [rows >= M, kv_heads, L, D],
+    this step's keys and values written at `column`, attention over [start, column]; bias
+    [M, 1, 1, column + 1 - start] (0 / -inf). Returns the layer's output [M, hidden], or None
+    where the kernel does not take these tensors (the caller then runs the ops one by one)."""
+    lib = load()[0]
+    keys, values, start, column = cache
+    cos, sin = rope
+    if lib is None or x.dim() != 2 or keys.dim() != 4:
+        return None
+    m, hidden = x.shape
+    d, kv_heads = keys.shape[3], keys.shape[1]
+    heads = (qkv[1] - 2 * kv_heads * d) // d
+    w = column + 1 - start
+    params = [t for t in (norm1[0], norm2[0], qkv[2], o[2], glu[2], down[2]) if t is not None]
+    tensors = (x, keys, values, bias, cos, sin, qkv[0], o[0], glu[0], down[0], *params)
+    if (any(t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous()
+            or type(t) not in (torch.Tensor, torch.nn.Parameter) for t in tensors)
+            or not 0 < m <= MAX_ROWS or d % 32 or d > 256 or heads <= 0 or heads % kv_heads
+            or heads // kv_heads > 8 or (heads + 2 * kv_heads) * d != qkv[1]
+            or values.shape != keys.shape or keys.shape[0] < m or not 0 <= start <= column < keys.shape[2]
+            or cos.shape != (m, d) or sin.shape != (m, d) or bias.shape != (m, 1, 1, w)
+            or o[1] != hidden or down[1] != hidden or norm1[0].shape != (hidden,)
+            or norm2[0].shape != (hidden,)):
+        return None
+    inter = glu[1]
+    ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
+    out, x2, h = torch.empty_like(x), torch.empty_like(x), torch.empty_like(x)
+    q = torch.empty(m, qkv[1])
+    att, act = torch.empty(m, heads * d), torch.empty(m, inter)
+    threads = torch.get_num_threads()
+    scratch = torch.empty(threads * (heads // kv_heads) * w)
+    biases = [ptr(b) for b in (qkv[2], o[2], glu[2], down[2])]
+    lib.rl2_decode_layer(x.data_ptr(), m, hidden, heads, kv_heads, d, ptr(norm1[0]), float(norm1[1]),
+                         qkv[0].data_ptr(), biases[0], cos.data_ptr(), sin.data_ptr(),
+                         keys.data_ptr(), values.data_ptr(), keys.stride(0), keys.stride(1), start,
+                         column, bias.data_ptr(), float(scale), scratch.data_ptr(), o[0].data_ptr(),
+                         biases[1], ptr(norm2[0]), float(norm2[1]), glu[0].data_ptr(), biases[2],
+                         inter, down[0].data_ptr(), biases[3], h.data_ptr(), q.data_ptr(),
+                         att.data_ptr(), x2.data_ptr(), act.data_ptr(), out.data_ptr(), threads)
+    return out

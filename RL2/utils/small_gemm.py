@@ -324,6 +324,11 @@ def decode_layer(x: torch.Tensor, norm1: tuple, qkv: tuple, rope: tuple, cache: 
             or norm2[0].shape != (hidden,)):
         return None
     inter = glu[1]
+    strips = lambda n: (n + 15) // 16  # noqa: E731
+    if (qkv[0].shape != (strips(qkv[1]), hidden, 16) or o[0].shape != (strips(hidden), heads * d, 16)
+            or glu[0].shape != (2 * strips(inter), hidden, 16)
+            or down[0].shape != (strips(hidden), inter, 16)):  # each product's K and N as packed
+        return None
     ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
     out, x2, h = torch.empty_like(x), torch.empty_like(x), torch.empty_like(x)
     q = torch.empty(m, qkv[1])

@@ -400,7 +400,8 @@ def test_whole_decode_layer_declines_what_it_does_not_take():
                    dict(rope=(torch.ones(2, 16), torch.zeros(2, 16))),       # head_dim 16: no rope
                    dict(qkv=(w, 112, None)),                                  # not heads + 2 kv heads
                    dict(o=(small_gemm.pack(torch.randn(64, 32)), 64, None)),  # o_proj's K is not 4 x 32
-                   dict(down=(small_gemm.pack(torch.randn(64, 48)), 64, None))):  # nor down_proj's 32
+                   dict(down=(small_gemm.pack(torch.randn(64, 48)), 64, None)),  # nor down_proj's 32
+                   dict(o=(args["o"][0], 64, torch.zeros(32)))):              # a bias of 32, not 64
         assert small_gemm.decode_layer(x, **{**args, **change}) is None, change
     assert small_gemm.decode_layer(x.double(), **args) is None
     assert small_gemm.decode_layer(torch.randn(3, 64), **args) is None       # rows != cos rows

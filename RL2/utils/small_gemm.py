@@ -327,7 +327,9 @@ def decode_layer(x: torch.Tensor, norm1: tuple, qkv: tuple, rope: tuple, cache: 
     strips = lambda n: (n + 15) // 16  # noqa: E731
     if (qkv[0].shape != (strips(qkv[1]), hidden, 16) or o[0].shape != (strips(hidden), heads * d, 16)
             or glu[0].shape != (2 * strips(inter), hidden, 16)
-            or down[0].shape != (strips(hidden), inter, 16)):  # each product's K and N as packed
+            or down[0].shape != (strips(hidden), inter, 16)  # each product's K and N as packed
+            or any(b is not None and b.shape != (size,) for b, size in (
+                (qkv[2], qkv[1]), (o[2], hidden), (glu[2], 32 * strips(inter)), (down[2], hidden)))):
         return None
     ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
     out, x2, h = torch.empty_like(x), torch.empty_like(x), torch.empty_like(x)

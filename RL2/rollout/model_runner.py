@@ -43,6 +43,10 @@ class KVRunner:
             from RL2.rollout.compiled_decode import CompiledDecode  # registers its op: only if used
 
             self.compiled = CompiledDecode(model, self.linear)
+            if self.linear.small:
+                logger.warning("compile_decode: the compiled decode step does not use RL2's "
+                               "AVX-512 kernel, available here, whose eager step measured faster "
+                               "(benchmarks/README.md, fix 27); consider compile_decode=false")
         if cuda_graph and torch.device(device).type == "cuda":
             from RL2.rollout.cuda_graph import GraphedDecode, unsupported
 

@@ -383,6 +383,39 @@ def test_whole_decode_layers_equal_the_op_by_op_path_bit_for_bit(heads, kv_heads
 
 
 @needs_kernel
+@pytest.mark.parametrize("head_dim,heads,kv_heads", [(32, 4, 2), (64, 4, 1)])
+def test_whole_decode_layers_of_qwen3_match_hf(head_dim, heads, kv_heads):
+    # Qwen3 normalises each query and key head before the rotation: decode_layer does it after
+    # the product (its norm sums in another order: close to the op-by-op path, not equal)
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(3)
+    model = Qwen3ForCausalLM(Qwen3Config(
+        vocab_size=400, hidden_size=128, intermediate_size=272, num_hidden_layers=2,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+        max_position_embeddings=256)).eval()
+    with torch.no_grad():  # norms away from 1, so that a skipped or misplaced norm shows
+        for layer in model.model.layers:
+            layer.self_attn.q_norm.weight.uniform_(0.5, 1.5)
+            layer.self_attn.k_norm.weight.uniform_(0.5, 1.5)
+    ids = torch.randint(4, 400, (3, 64), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = model(ids).logits
+    runs = []
+    for whole in (True, False):
+        pl, calls = onednn.PackedLinears(small=True), []
+        if whole:
+            _counting(pl, "decode_layer", calls)
+        else:
+            pl.decode_layer = None
+        runs.append((_decode_steps(model, pl, ids), calls))
+    (got, calls), (op_by_op, _) = runs
+    assert len(calls) == 4 * 2
+    torch.testing.assert_close(got, op_by_op, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got, want[:, 59:], rtol=1e-4, atol=1e-4)
+
+
+@needs_kernel
 def test_whole_decode_layer_declines_what_it_does_not_take():
     # the caller falls back to the op-by-op path on None: wrong dtypes, shapes or windows
     x = torch.randn(2, 64)

@@ -283,14 +283,18 @@ def _whole_layer(whole, layer, x, cos, sin, kv, li, bias):
     """`whole` (`linear.decode_layer`) on one layer of a decode step over `kv`, or None where
     it declines (then the step runs this layer op by op)."""
     attn, mlp = layer.self_attn, layer.mlp
-    if x.dtype != torch.float32 or hasattr(attn, "q_norm"):  # Qwen3's head norms: op by op
+    if x.dtype != torch.float32:
         return None
     n1, n2 = layer.input_layernorm, layer.post_attention_layernorm
+    qk = None
+    if hasattr(attn, "q_norm"):  # Qwen3: per-head RMSNorms before the rotation
+        qk = ((attn.q_norm.weight, attn.q_norm.variance_epsilon),
+              (attn.k_norm.weight, attn.k_norm.variance_epsilon))
     live = kv.live()
     return whole(x, (n1.weight, n1.variance_epsilon), (attn.q_proj, attn.k_proj, attn.v_proj),
                  (cos[:, 0], sin[:, 0]), (kv.k[li], kv.v[li], live[2].start, live[2].stop - 1),
                  bias, attn.scaling, attn.o_proj, (n2.weight, n2.variance_epsilon),
-                 (mlp.gate_proj, mlp.up_proj), mlp.down_proj)
+                 (mlp.gate_proj, mlp.up_proj), mlp.down_proj, qk)
 
 
 def _decode(model, tokens: torch.Tensor, positions: torch.Tensor, bias: torch.Tensor, write,

@@ -174,7 +174,7 @@ class PackedLinears:
 
     def decode_layer(self, x: torch.Tensor, norm1: tuple, qkv: tuple, rope: tuple, cache: tuple,
                      bias: torch.Tensor, scale: float, o_proj, norm2: tuple, glu: tuple,
-                     down_proj) -> torch.Tensor | None:
+                     down_proj, qk_norm: tuple | None = None) -> torch.Tensor | None:
         """A whole decoder layer of a decode step in one call of RL2's kernel
         (`small_gemm.decode_layer`: the arguments as there, with the modules for the weights:
         qkv (q, k, v), glu (gate, up)), or None where the kernel does not take it."""
@@ -184,14 +184,16 @@ class PackedLinears:
         n = sum(p.weight.shape[0] for p in qkv)
         if d % 32:
             return None
-        order = (n, (qkv[0].weight.shape[0] + qkv[1].weight.shape[0]) // d, d)
+        # the rotation inside the product, except after Qwen3's head norms
+        order = None if qk_norm else (n, (qkv[0].weight.shape[0] + qkv[1].weight.shape[0]) // d, d)
         a = self._kernel_weights(x, qkv, order=order)
         b = self._kernel_weights(x, (o_proj,))
         c = self._kernel_weights(x, glu, glu=True)
         e = self._kernel_weights(x, (down_proj,))
         if a is None or b is None or c is None or e is None:
             return None
-        return small_gemm.decode_layer(x, norm1, a, rope, cache, bias, scale, b, norm2, c, e)
+        return small_gemm.decode_layer(x, norm1, a, rope, cache, bias, scale, b, norm2, c, e,
+                                       qk_norm)
 
     def _kernel_weights(self, x: torch.Tensor, projs: tuple, glu: bool = False,
                         order: tuple | None = None) -> tuple | None:

@@ -283,19 +283,22 @@ void rl2_decode_attention(const float* q, int64_t B, int64_t KH, int64_t G, int6
   }
 }
 
-/* One decoder layer of a decode step (Llama / Qwen2 / Mistral, fp32) in one call, as
+/* One decoder layer of a decode step (Llama / Qwen2 / Qwen3 / Mistral, fp32) in one call, as
  * llama_forward's fused ops do it, op for op and so bit for bit: the q/k/v product with the
  * input norm and the rotary embedding (qkv_w in rope order), this step's keys and values
  * written at `column` of the cache buffers, the attention over columns [start, column], the
  * output projection plus x, and the MLP (norm, SiLU(gate) * up, down projection plus the
  * residual). Saves the step the Python and the ~20 small PyTorch ops between those calls.
+ * q_norm, k_norm (Qwen3's per-head RMSNorms, D floats each, or NULL): the heads are normalised
+ * after the product and rotated then (its norm sums in another order than PyTorch's).
  * x, out: M x hidden; kbuf, vbuf: the layer's cache buffers ((b, h, w, d) at b * kv_sb + h *
  * kv_sh + w * D + d); bias: M x (column + 1 - start); scratch: threads x G x that many floats;
  * h: M x hidden; qkv: M x (heads + 2 kv_heads) D; att: M x heads D; x2: M x hidden; act: M x
  * inter (the layer's intermediates, the caller's buffers). */
 void rl2_decode_layer(const float* x, int64_t M, int64_t hidden, int64_t heads, int64_t kv_heads,
                       int64_t D, const float* norm1, float eps1, const float* qkv_w,
-                      const float* qkv_b, const float* cos, const float* sin, float* kbuf,
+                      const float* qkv_b, const float* cos, const float* sin,
+                      const float* q_norm, const float* k_norm, float eps_q, float eps_k, float* kbuf,
                       float* vbuf, int64_t kv_sb, int64_t kv_sh, int64_t start, int64_t column,
                       const float* bias, float scale, float* scratch, const float* o_w,
                       const float* o_b, const float* norm2, float eps2, const float* gu_w,
@@ -303,8 +306,28 @@ void rl2_decode_layer(const float* x, int64_t M, int64_t hidden, int64_t heads, 
                       float* h, float* qkv, float* att, float* x2, float* act, float* out,
                       int threads) {
   int64_t nq = heads * D, nkv = kv_heads * D, n = nq + 2 * nkv;
-  rl2_small_gemm(x, M, hidden, qkv_w, n, qkv_b, 0, norm1, eps1, h, qkv, 0, heads + kv_heads, D,
-                 cos, sin, threads);
+  if (!q_norm) {
+    rl2_small_gemm(x, M, hidden, qkv_w, n, qkv_b, 0, norm1, eps1, h, qkv, 0, heads + kv_heads, D,
+                   cos, sin, threads);
+  } else { /* Qwen3: each query and key head RMS-normalised before the rotation (qkv_w in its
+            * natural order), then rotated as finish_two does, HF's arithmetic */
+    rl2_small_gemm(x, M, hidden, qkv_w, n, qkv_b, 0, norm1, eps1, h, qkv, 0, 0, 0, 0, 0, threads);
+    float t[256];
+    for (int64_t b = 0; b < M; b++)
+      for (int64_t j = 0; j < heads + kv_heads; j++) {
+        float* hd = qkv + b * n + j * D;
+        rms_row(hd, D, j < heads ? q_norm : k_norm, j < heads ? eps_q : eps_k, t);
+        const float *c = cos + b * D, *sn = sin + b * D;
+        for (int64_t i = 0; i < D / 2; i += 16) {
+          __m512 x1 = _mm512_loadu_ps(t + i), x2 = _mm512_loadu_ps(t + D / 2 + i);
+          _mm512_storeu_ps(hd + i, _mm512_sub_ps(_mm512_mul_ps(x1, _mm512_loadu_ps(c + i)),
+                                                 _mm512_mul_ps(x2, _mm512_loadu_ps(sn + i))));
+          _mm512_storeu_ps(hd + D / 2 + i,
+                           _mm512_add_ps(_mm512_mul_ps(x2, _mm512_loadu_ps(c + D / 2 + i)),
+                                         _mm512_mul_ps(x1, _mm512_loadu_ps(sn + D / 2 + i))));
+        }
+      }
+  }
   for (int64_t b = 0; b < M; b++)
     for (int64_t j = 0; j < kv_heads; j++) {
       float* kd = kbuf + b * kv_sb + j * kv_sh + column * D;

@@ -147,9 +147,10 @@ def load():
         lib.rl2_decode_attention.argtypes = [p, i, i, i, i, i, i, p, p, i, i, i, p, ctypes.c_float,
                                              p, p, ctypes.c_int]
         lib.rl2_decode_attention.restype = None
-        lib.rl2_decode_layer.argtypes = [p, i, i, i, i, i, p, ctypes.c_float, p, p, p, p, p, p, i,
-                                         i, i, i, p, ctypes.c_float, p, p, p, p, ctypes.c_float, p,
-                                         p, i, p, p, p, p, p, p, p, p, ctypes.c_int]
+        f = ctypes.c_float
+        lib.rl2_decode_layer.argtypes = [p, i, i, i, i, i, p, f, p, p, p, p, p, p, f, f, p, p, i, i,
+                                         i, i, p, f, p, p, p, p, f, p, p, i, p, p, p, p, p, p, p, p,
+                                         ctypes.c_int]
         lib.rl2_decode_layer.restype = None
         if len(openmp_libraries()) != 1:
             return None, "loading the kernel brought a second OpenMP runtime"
@@ -293,7 +294,7 @@ def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: t
 
 def decode_layer(x: torch.Tensor, norm1: tuple, qkv: tuple, rope: tuple, cache: tuple,
                  bias: torch.Tensor, scale: float, o: tuple, norm2: tuple, glu: tuple,
-                 down: tuple) -> torch.Tensor | None:
+                 down: tuple, qk_norm: tuple | None = None) -> torch.Tensor | None:
     """One decoder layer of a decode step in one kernel call (`rl2_decode_layer`): what
     llama_forward's fused ops compute, bit for bit, without the Python between them.
     x [M, hidden]; norm1 / norm2: (weight, eps) of the input and post-attention RMSNorms;
@@ -301,8 +302,11 @@ def decode_layer(x: torch.Tensor, norm1: tuple, qkv: tuple, rope: tuple, cache: 
     `rope_order` over the query and key heads, glu from `pack_glu`); rope: (cos, sin) [M, D];
     cache: (keys, values, start, column): the layer's buffers [rows >= M, kv_heads, L, D],
     this step's keys and values written at `column`, attention over [start, column]; bias
-    [M, 1, 1, column + 1 - start] (0 / -inf). Returns the layer's output [M, hidden], or None
-    where the kernel does not take these tensors (the caller then runs the ops one by one)."""
+    [M, 1, 1, column + 1 - start] (0 / -inf). qk_norm: Qwen3's per-head RMSNorms before the
+    rotation, ((q weight [D], eps), (k weight [D], eps)), with qkv then in its natural order
+    (the same arithmetic as op by op but for the norms' order of summation). Returns the
+    layer's output [M, hidden], or None where the kernel does not take these tensors (the
+    caller then runs the ops one by one)."""
     lib = load()[0]
     keys, values, start, column = cache
     cos, sin = rope
@@ -312,7 +316,9 @@ def decode_layer(x: torch.Tensor, norm1: tuple, qkv: tuple, rope: tuple, cache: 
     d, kv_heads = keys.shape[3], keys.shape[1]
     heads = (qkv[1] - 2 * kv_heads * d) // d
     w = column + 1 - start
-    params = [t for t in (norm1[0], norm2[0], qkv[2], o[2], glu[2], down[2]) if t is not None]
+    qn, kn = qk_norm if qk_norm is not None else ((None, 0.0), (None, 0.0))
+    params = [t for t in (norm1[0], norm2[0], qkv[2], o[2], glu[2], down[2], qn[0], kn[0])
+              if t is not None]
     tensors = (x, keys, values, bias, cos, sin, qkv[0], o[0], glu[0], down[0], *params)
     if (any(t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous()
             or type(t) not in (torch.Tensor, torch.nn.Parameter) for t in tensors)
@@ -321,7 +327,8 @@ def decode_layer(x: torch.Tensor, norm1: tuple, qkv: tuple, rope: tuple, cache: 
             or values.shape != keys.shape or keys.shape[0] < m or not 0 <= start <= column < keys.shape[2]
             or cos.shape != (m, d) or sin.shape != (m, d) or bias.shape != (m, 1, 1, w)
             or o[1] != hidden or down[1] != hidden or norm1[0].shape != (hidden,)
-            or norm2[0].shape != (hidden,)):
+            or norm2[0].shape != (hidden,) or qk_norm is not None and (
+                qn[0].shape != (d,) or kn[0].shape != (d,))):
         return None
     inter = glu[1]
     strips = lambda n: (n + 15) // 16  # noqa: E731
@@ -339,9 +346,9 @@ def decode_layer(x: torch.Tensor, norm1: tuple, qkv: tuple, rope: tuple, cache: 
     scratch = torch.empty(threads * (heads // kv_heads) * w)
     biases = [ptr(b) for b in (qkv[2], o[2], glu[2], down[2])]
     lib.rl2_decode_layer(x.data_ptr(), m, hidden, heads, kv_heads, d, ptr(norm1[0]), float(norm1[1]),
-                         qkv[0].data_ptr(), biases[0], cos.data_ptr(), sin.data_ptr(),
-                         keys.data_ptr(), values.data_ptr(), keys.stride(0), keys.stride(1), start,
-                         column, bias.data_ptr(), float(scale), scratch.data_ptr(), o[0].data_ptr(),
+                         qkv[0].data_ptr(), biases[0], cos.data_ptr(), sin.data_ptr(), ptr(qn[0]),
+                         ptr(kn[0]), float(qn[1]), float(kn[1]), keys.data_ptr(),
+                         values.data_ptr(), keys.stride(0), keys.stride(1), start, column, bias.data_ptr(), float(scale), scratch.data_ptr(), o[0].data_ptr(),
                          biases[1], ptr(norm2[0]), float(norm2[1]), glu[0].data_ptr(), biases[2],
                          inter, down[0].data_ptr(), biases[3], h.data_ptr(), q.data_ptr(),
                          att.data_ptr(), x2.data_ptr(), act.data_ptr(), out.data_ptr(), threads)

@@ -315,6 +315,15 @@ def _counting(pl, name, calls):
     setattr(pl, name, counted)
 
 
+def _two_paths():
+    """(a PackedLinears whose decode_layer calls are counted into `calls`, one without
+    decode_layer: op by op), calls"""
+    whole, op_by_op, calls = onednn.PackedLinears(small=True), onednn.PackedLinears(small=True), []
+    _counting(whole, "decode_layer", calls)
+    op_by_op.decode_layer = None
+    return (whole, op_by_op), calls
+
+
 @needs_kernel
 def test_decoder_layers_with_the_kernels_fused_ops_match_hf():
     # llama_forward hands each layer's RMSNorms, rotary, residual adds and SiLU(gate) * up to
@@ -357,12 +366,8 @@ def test_whole_decode_layers_equal_the_op_by_op_path_bit_for_bit(heads, kv_heads
     model = cls(cfg).eval()
     prompts = [[(7 * i + 3 * j) % 300 for j in range(3 + 5 * i)] for i in range(5)]
     runs = []
-    for whole in (True, False):
-        pl, calls = onednn.PackedLinears(small=True), []
-        if whole:
-            _counting(pl, "decode_layer", calls)
-        else:
-            pl.decode_layer = None
+    paths, calls = _two_paths()
+    for pl in paths:
         logits, keys, values, lens = llama_forward.prefill(model, prompts, [None] * 5, "cpu", pl)
         kv, last, out = BatchKV(), logits.argmax(-1), []
         kv.add(keys, values, lens, room=4)  # too little room: the window moves, buffers grow
@@ -375,8 +380,8 @@ def test_whole_decode_layers_equal_the_op_by_op_path_bit_for_bit(heads, kv_heads
             if step == 5:
                 kv.compact([4, 1, 3])
                 last = last[[4, 1, 3]]
-        runs.append((out, calls))
-    (got, calls), (want, _) = runs
+        runs.append(out)
+    got, want = runs
     assert len(calls) == 12 * 2  # every layer of every step in one call
     for a, b in zip(got, want):
         assert torch.equal(a, b)
@@ -401,15 +406,8 @@ def test_whole_decode_layers_of_qwen3_match_hf(head_dim, heads, kv_heads):
     ids = torch.randint(4, 400, (3, 64), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         want = model(ids).logits
-    runs = []
-    for whole in (True, False):
-        pl, calls = onednn.PackedLinears(small=True), []
-        if whole:
-            _counting(pl, "decode_layer", calls)
-        else:
-            pl.decode_layer = None
-        runs.append((_decode_steps(model, pl, ids), calls))
-    (got, calls), (op_by_op, _) = runs
+    paths, calls = _two_paths()
+    got, op_by_op = (_decode_steps(model, pl, ids) for pl in paths)
     assert len(calls) == 4 * 2
     torch.testing.assert_close(got, op_by_op, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got, want[:, 59:], rtol=1e-4, atol=1e-4)

@@ -286,7 +286,6 @@ def test_packed_linears_route_few_rows_to_the_kernel_and_the_rest_to_onednn():
     assert pl.fused(x, (q, k, v), rope=(odd, odd, 2)) is None
 
 
-@needs_kernel
 def _decode_steps(model, pl, ids):
     """Logits of llama_forward's prefill of ids[:, :60] and decode steps over the rest, through pl."""
     from RL2.rollout import llama_forward

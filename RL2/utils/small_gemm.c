@@ -97,6 +97,16 @@ typedef struct {
     }                                                                                            \
   }
 
+/* HF's rotate_half arithmetic on 16 lanes of a head's two halves: x1 cos - x2 sin to y, x2 cos
+ * + x1 sin to y + off1 (c, s: the first half's cos / sin lanes, the second half's at + half) */
+static inline void rotate16(__m512 x1, __m512 x2, const float* c, const float* s, int64_t half,
+                            float* y, int64_t off1) {
+  _mm512_storeu_ps(y, _mm512_sub_ps(_mm512_mul_ps(x1, _mm512_loadu_ps(c)),
+                                    _mm512_mul_ps(x2, _mm512_loadu_ps(s))));
+  _mm512_storeu_ps(y + off1, _mm512_add_ps(_mm512_mul_ps(x2, _mm512_loadu_ps(c + half)),
+                                           _mm512_mul_ps(x1, _mm512_loadu_ps(s + half))));
+}
+
 /* Row r's sums of a two-strip panel, a0 and a1, to its output row y */
 static inline void finish_two(__m512 a0, __m512 a1, float* y, int r, int64_t ldy,
                               const epilogue* e) {
@@ -104,13 +114,8 @@ static inline void finish_two(__m512 a0, __m512 a1, float* y, int r, int64_t ldy
     _mm512_mask_storeu_ps(y, e->mask, silu_mul(a0, a1));
     return;
   }
-  if (e->cos) { /* first half: x1 cos - x2 sin; second half: x2 cos + x1 sin (never a tail) */
-    const float *c = e->cos + r * e->ldc, *s = e->sin + r * e->ldc;
-    __m512 o0 = _mm512_sub_ps(_mm512_mul_ps(a0, _mm512_loadu_ps(c)), _mm512_mul_ps(a1, _mm512_loadu_ps(s)));
-    __m512 o1 = _mm512_add_ps(_mm512_mul_ps(a1, _mm512_loadu_ps(c + e->half)),
-                              _mm512_mul_ps(a0, _mm512_loadu_ps(s + e->half)));
-    _mm512_storeu_ps(y, o0);
-    _mm512_storeu_ps(y + e->off1, o1);
+  if (e->cos) { /* the two strips are the matching lanes of a head's halves (never a tail) */
+    rotate16(a0, a1, e->cos + r * e->ldc, e->sin + r * e->ldc, e->half, y, e->off1);
     return;
   }
   if (e->res) {
@@ -298,9 +303,9 @@ void rl2_decode_attention(const float* q, int64_t B, int64_t KH, int64_t G, int6
 void rl2_decode_layer(const float* x, int64_t M, int64_t hidden, int64_t heads, int64_t kv_heads,
                       int64_t D, const float* norm1, float eps1, const float* qkv_w,
                       const float* qkv_b, const float* cos, const float* sin,
-                      const float* q_norm, const float* k_norm, float eps_q, float eps_k, float* kbuf,
-                      float* vbuf, int64_t kv_sb, int64_t kv_sh, int64_t start, int64_t column,
-                      const float* bias, float scale, float* scratch, const float* o_w,
+                      const float* q_norm, const float* k_norm, float eps_q, float eps_k,
+                      float* kbuf, float* vbuf, int64_t kv_sb, int64_t kv_sh, int64_t start,
+                      int64_t column, const float* bias, float scale, float* scratch, const float* o_w,
                       const float* o_b, const float* norm2, float eps2, const float* gu_w,
                       const float* gu_b, int64_t inter, const float* down_w, const float* down_b,
                       float* h, float* qkv, float* att, float* x2, float* act, float* out,
@@ -310,22 +315,16 @@ void rl2_decode_layer(const float* x, int64_t M, int64_t hidden, int64_t heads, 
     rl2_small_gemm(x, M, hidden, qkv_w, n, qkv_b, 0, norm1, eps1, h, qkv, 0, heads + kv_heads, D,
                    cos, sin, threads);
   } else { /* Qwen3: each query and key head RMS-normalised before the rotation (qkv_w in its
-            * natural order), then rotated as finish_two does, HF's arithmetic */
+            * natural order), then rotated with HF's arithmetic */
     rl2_small_gemm(x, M, hidden, qkv_w, n, qkv_b, 0, norm1, eps1, h, qkv, 0, 0, 0, 0, 0, threads);
     float t[256];
     for (int64_t b = 0; b < M; b++)
       for (int64_t j = 0; j < heads + kv_heads; j++) {
         float* hd = qkv + b * n + j * D;
         rms_row(hd, D, j < heads ? q_norm : k_norm, j < heads ? eps_q : eps_k, t);
-        const float *c = cos + b * D, *sn = sin + b * D;
-        for (int64_t i = 0; i < D / 2; i += 16) {
-          __m512 x1 = _mm512_loadu_ps(t + i), x2 = _mm512_loadu_ps(t + D / 2 + i);
-          _mm512_storeu_ps(hd + i, _mm512_sub_ps(_mm512_mul_ps(x1, _mm512_loadu_ps(c + i)),
-                                                 _mm512_mul_ps(x2, _mm512_loadu_ps(sn + i))));
-          _mm512_storeu_ps(hd + D / 2 + i,
-                           _mm512_add_ps(_mm512_mul_ps(x2, _mm512_loadu_ps(c + D / 2 + i)),
-                                         _mm512_mul_ps(x1, _mm512_loadu_ps(sn + D / 2 + i))));
-        }
+        for (int64_t i = 0; i < D / 2; i += 16)
+          rotate16(_mm512_loadu_ps(t + i), _mm512_loadu_ps(t + D / 2 + i), cos + b * D + i,
+                   sin + b * D + i, D / 2, hd + i, D / 2);
       }
   }
   for (int64_t b = 0; b < M; b++)

@@ -348,7 +348,8 @@ def decode_layer(x: torch.Tensor, norm1: tuple, qkv: tuple, rope: tuple, cache: 
     lib.rl2_decode_layer(x.data_ptr(), m, hidden, heads, kv_heads, d, ptr(norm1[0]), float(norm1[1]),
                          qkv[0].data_ptr(), biases[0], cos.data_ptr(), sin.data_ptr(), ptr(qn[0]),
                          ptr(kn[0]), float(qn[1]), float(kn[1]), keys.data_ptr(),
-                         values.data_ptr(), keys.stride(0), keys.stride(1), start, column, bias.data_ptr(), float(scale), scratch.data_ptr(), o[0].data_ptr(),
+                         values.data_ptr(), keys.stride(0), keys.stride(1), start, column,
+                         bias.data_ptr(), float(scale), scratch.data_ptr(), o[0].data_ptr(),
                          biases[1], ptr(norm2[0]), float(norm2[1]), glu[0].data_ptr(), biases[2],
                          inter, down[0].data_ptr(), biases[3], h.data_ptr(), q.data_ptr(),
                          att.data_ptr(), x2.data_ptr(), act.data_ptr(), out.data_ptr(), threads)

@@ -16,8 +16,9 @@ import subprocess
 import sys
 import tempfile
 
-from benchmarks.bench_ppo import free_port, make_assets, read_steps
+from benchmarks.bench_ppo import make_assets, read_steps
 from benchmarks.common import machine_description, table
+from RL2.utils.process import port_below_ephemeral
 from tests.server_utils import kill, start_server
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -43,7 +44,7 @@ async def step(state, action, extra_info):
 
 def launch(args, model, data, env_path, k, run_dir, servers=()):
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.nproc}",
-           "--master_addr=127.0.0.1", f"--master_port={free_port()}",
+           "--master_addr=127.0.0.1", f"--master_port={port_below_ephemeral(host='127.0.0.1')}",
            f"--log-dir={os.path.join(run_dir, 'torchrun')}", "-m", "RL2.trainer.ppo",
            f"actor.model_name={model}", f"data.train.path={data}/ppo_train.jsonl",
            f"actor.rollout.env_path={env_path}", "actor.rollout.max_turns=3",

@@ -18,6 +18,7 @@ import sys
 import tempfile
 
 from benchmarks.common import MODEL_SIZES, machine_description, median, table
+from RL2.utils.process import port_below_ephemeral
 
 logger = logging.getLogger(__name__)
 
@@ -38,17 +39,9 @@ def make_assets(root: str, size: str) -> tuple[str, str]:
     return model, data
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(nproc: int, model: str, data: str, run_dir: str, steps: int, args, gae: bool):
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-           "--master_addr=127.0.0.1", f"--master_port={free_port()}",
+           "--master_addr=127.0.0.1", f"--master_port={port_below_ephemeral(host='127.0.0.1')}",
            f"--log-dir={os.path.join(run_dir, 'torchrun')}", "-m", "RL2.trainer.ppo",
            f"actor.model_name={model}", f"data.train.path={data}/ppo_train.jsonl",
            f"actor.rollout.env_path={os.path.join(REPO, 'envs', 'answer_match.py')}",

@@ -1,16 +1,21 @@
 """Run a function in N real gloo processes (no mocked process groups)."""
 import os
-import socket
 import traceback
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from RL2.utils.process import port_below_ephemeral
+
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port for a test's server or rendezvous: below the ephemeral range (an OS-chosen free
+    port can be taken by another worker's gloo connection before torchrun binds it: CI saw
+    EADDRINUSE), in this xdist worker's own slice of 10000-21999."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    slot = int(worker[2:]) if worker[2:].isdigit() else 0
+    slots = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    return port_below_ephemeral(slot, slots, low=10000, high=21999, host="127.0.0.1")
 
 
 def _entry(rank, world_size, port, fn, args, queue):

@@ -89,3 +89,17 @@ def test_vllm_shm_cleanup_keeps_files_a_live_process_maps(tmp_path):
         queue.unlink()
         if os.path.exists(os.path.join(SHM, orphan)):
             os.unlink(os.path.join(SHM, orphan))
+
+
+def test_test_ports_lie_below_the_ephemeral_range_in_the_workers_own_slice(monkeypatch):
+    """A port the OS picked (bind to 0) lies in the ephemeral range, where another worker's gloo
+    connection took it before torchrun bound it (CI: EADDRINUSE on --master_port). Test ports
+    come from below that range, each xdist worker from its own slice."""
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        ephemeral_low = int(f.read().split()[0])
+    monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "3")
+    for worker in range(3):
+        monkeypatch.setenv("PYTEST_XDIST_WORKER", f"gw{worker}")
+        ports = {free_port() for _ in range(20)}
+        assert all(10000 + 4000 * worker <= p < 14000 + 4000 * worker < ephemeral_low for p in ports)
+        assert len(ports) > 1  # drawn at random, not the same port each call

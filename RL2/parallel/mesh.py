@@ -32,9 +32,9 @@ def init_distributed(device: str = "auto") -> str:
         os.environ.setdefault("RANK", "0")
         os.environ.setdefault("WORLD_SIZE", "1")
         if "MASTER_PORT" not in os.environ:
-            from RL2.utils.process import free_port
+            from RL2.utils.process import port_below_ephemeral
 
-            os.environ["MASTER_PORT"] = str(free_port())
+            os.environ["MASTER_PORT"] = str(port_below_ephemeral(host="127.0.0.1"))
         if device == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         dist.init_process_group("nccl" if device == "cuda" else "gloo")

@@ -35,8 +35,6 @@ import contextlib
 import inspect
 import logging
 import os
-import random
-import socket
 from typing import Iterable
 
 import torch
@@ -45,7 +43,7 @@ import torch.distributed as dist
 from RL2.rollout.engine import Engine, GenerationOutput, SamplingParams
 from RL2.rollout.vllm_transfer import cast_copies
 from RL2.rollout.weight_layout import make_buckets
-from RL2.utils.process import free_port
+from RL2.utils.process import free_port, port_below_ephemeral
 from RL2.utils.seeding import derive_seed
 from RL2.workers.lora import AdapterVersions
 
@@ -77,16 +75,7 @@ def nccl_port(slot: int, slots: int, low: int = 22000, high: int = 29999) -> int
     range SGLang samples when none is given (srt/utils/network.py get_free_port_below_ephemeral:
     below the ephemeral ports, as the scheduler binds it only later). Engines of one host (one
     per base GPU) use disjoint slices: two starting together cannot draw the same port."""
-    width = (high - low + 1) // max(1, slots)
-    start = low + min(slot, slots - 1) * width
-    for port in random.Random().sample(range(start, start + width), min(width, 64)):
-        with socket.socket() as s:
-            try:
-                s.bind(("0.0.0.0", port))
-            except OSError:
-                continue
-        return port
-    return free_port()
+    return port_below_ephemeral(slot, slots, low, high)
 
 
 def _finish_reason(meta: dict) -> str:

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from RL2.rollout.weight_layout import ALIGN, padded
-from RL2.utils.process import free_port
+from RL2.utils.process import port_below_ephemeral
 
 BACKEND = "rl2_gloo"
 
@@ -156,7 +156,7 @@ class NcclSender:
     caller makes meanwhile (its failure ends the wait for the run; the daemon thread stays)."""
 
     def __init__(self, n_workers: int = 1, timeout_s: float = 300.0, host: str = "127.0.0.1"):
-        self.port = free_port(host)
+        self.port = port_below_ephemeral(host=host)  # vLLM binds it later
         self.host, self.world_size, self.group = host, 1 + n_workers, None
 
     def init_info(self) -> dict:

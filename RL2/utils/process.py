@@ -1,8 +1,10 @@
 """Processes that stop with their parent: when torchrun's agent (or the trainer, for env workers)
 dies, its children must not run on, finish the job and write `final/` after the user stopped it.
 torch-elastic starts each worker in its own session, so killing the agent's process group does
-not reach them. Also: a free port for a process to listen on (`free_port`)."""
+not reach them. Also: a free port for a process to listen on (`free_port`,
+`port_below_ephemeral`)."""
 import os
+import random
 import signal
 import socket
 import time
@@ -14,6 +16,26 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def port_below_ephemeral(slot: int = 0, slots: int = 1, low: int = 22000, high: int = 29999,
+                         host: str = "0.0.0.0") -> int:
+    """A port that bound free just now, drawn from slice `slot` of `slots` of [low, high].
+    A port from `free_port` lies in the kernel's ephemeral range (32768-60999 by default), where
+    any outgoing connection (a gloo pair, a TCPStore client) may take it before the caller
+    binds; below that range only explicit binds compete, and disjoint slices keep concurrent
+    callers (engines of one host, test workers) off each other's ports. `free_port` when the
+    whole sample of the slice is busy."""
+    width = (high - low + 1) // max(1, slots)
+    start = low + min(slot, slots - 1) * width
+    for port in random.Random().sample(range(start, start + width), min(width, 64)):
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+        return port
+    return free_port()
 
 
 def die_with_parent(sig: int = signal.SIGKILL) -> None:

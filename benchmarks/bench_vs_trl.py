@@ -65,11 +65,9 @@ def _run(cmd, threads: int, timeout: float, cwd: str):
 
 
 def _torchrun(nproc: int, root: str) -> list[str]:
-    import socket
+    from RL2.utils.process import port_below_ephemeral
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = port_below_ephemeral(host="127.0.0.1")
     return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
             "--master_addr=127.0.0.1", f"--master_port={port}",
             f"--log-dir={os.path.join(root, 'torchrun')}"]  # not a torchelastic_* left in /tmp

@@ -185,6 +185,34 @@ def test_decode_attention_matches_the_eager_ops(head_dim, group, width):
                                llama_forward._attend_step(q, keys, values, bias, 0.1), rtol=1e-5, atol=1e-6)
 
 
+@needs_kernel
+@pytest.mark.parametrize("head_dim", [64, 128, 80])
+def test_decode_attention_skips_left_padding_with_the_same_bits(head_dim):
+    """Whole 16-column chunks of left padding (-inf) are skipped: the same bits as reading every
+    column (the softmax sums the same lanes in the same order), and padding below the chunk
+    holding a row's first token is never read (NaN there stays out of the output)."""
+    from RL2.rollout import llama_forward
+
+    g = torch.Generator().manual_seed(head_dim)
+    rows, kv_heads, group, width = 4, 2, 3, 300
+    q = torch.randn(rows, kv_heads, group, head_dim, generator=g)
+    keys, values = (torch.randn(rows, kv_heads, width, head_dim, generator=g) for _ in range(2))
+    first = torch.tensor([37, 0, 299, 16])  # each row's first live column
+    bias = torch.zeros(rows, 1, 1, width).masked_fill_(torch.arange(width) < first[:, None, None, None],
+                                                     float("-inf"))
+    full = small_gemm.attention(q, keys, values, bias, 0.125)
+    torch.testing.assert_close(full, llama_forward._attend_step(q, keys, values, bias, 0.125),
+                               rtol=1e-5, atol=1e-6)
+    # a finite bias of -3e38 weighs those columns exactly 0 too, but is not skipped: the bits
+    # of the kernel reading every column
+    assert torch.equal(full, small_gemm.attention(q, keys, values, bias.clamp(min=-3e38), 0.125))
+    poisoned = [t.clone() for t in (keys, values)]
+    for r in range(rows):
+        for t in poisoned:
+            t[r, :, :int(first[r]) // 16 * 16] = float("nan")
+    assert torch.equal(small_gemm.attention(q, *poisoned, bias, 0.125), full)
+
+
 def test_decode_attention_declines_what_it_does_not_take():
     q, kv, bias = torch.randn(2, 2, 2, 64), torch.randn(2, 2, 9, 64), torch.zeros(2, 1, 1, 9)
     for args in [(q.bfloat16(), kv.bfloat16(), kv.bfloat16(), bias.bfloat16()),  # not fp32

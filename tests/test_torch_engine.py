@@ -515,3 +515,23 @@ def test_weight_sharing_is_all_or_nothing_and_never_writes_the_owner():
     assert sync64.mode is None and not engine2.weights_shared()
     assert all(torch.equal(a, b.float()) for a, b in zip(engine2.model.state_dict().values(),
                                                          owner64.state_dict().values()))
+
+
+def test_sample_greedy_takes_the_first_maximum_and_mixes_with_sampled_rows():
+    """Greedy rows take argmax's token (the first of tied maxima, as HF generate), with the
+    log-prob at T = 1; sampled rows next to them, or alone, draw from their own generators."""
+    from RL2.rollout.sampling import Request, Seq, sample
+
+    def seq(temperature, seed=None):
+        req = Request([1], SamplingParams(temperature=temperature, max_new_tokens=1), None, frozenset())
+        return Seq(req, None if seed is None else torch.Generator().manual_seed(seed))
+
+    logits = torch.tensor([[0.0, 3.0, 1.0, 3.0], [5.0, 5.0, 5.0, 5.0], [0.0, 0.0, 9.0, 0.0]])
+    greedy = sample(logits, [seq(0.0), seq(0.0), seq(0.0)])
+    want = torch.log_softmax(logits, -1)
+    assert [t for t, _ in greedy] == [1, 0, 2] == logits.argmax(-1).tolist()
+    assert [lp for _, lp in greedy] == [want[r, t].item() for r, t in enumerate([1, 0, 2])]
+    mixed = sample(logits, [seq(0.0), seq(1.0, seed=3), seq(1.0, seed=4)])
+    drawn = sample(logits[1:], [seq(1.0, seed=3), seq(1.0, seed=4)])  # every row sampled
+    assert mixed[0] == greedy[0] and mixed[1:] == drawn
+    assert mixed[2][0] == 2 and mixed[1][0] in range(4)

@@ -92,7 +92,10 @@ def sample(logits: torch.Tensor, seqs: list[Seq]) -> list[tuple[int, float]]:
         logp = torch.log_softmax(logits / temps[:, None], dim=-1)
     else:  # all greedy: T = 1 everywhere, no division
         logp = torch.log_softmax(logits, dim=-1)
-    tokens = logits.argmax(-1)
+    if all(sampled):  # every row's token is drawn below
+        tokens = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
+    else:  # max's indices are argmax's (the first maximum), ~2.5x faster on the CPU (49k vocab)
+        tokens = logits.max(-1).indices
     plain = [j for j, p in enumerate(params) if sampled[j] and p.top_k <= 0 and p.top_p >= 1]
     filtered = [j for j, p in enumerate(params) if sampled[j] and (p.top_k > 0 or p.top_p < 1)]
     if plain:

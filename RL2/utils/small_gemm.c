@@ -214,6 +214,11 @@ void rl2_small_gemm(const float* x, int64_t M, int64_t K, const float* w, int64_
                    int64_t G, int64_t W, int64_t chunks, float scale, float* s, float* og) {     \
     __m512 qv[8][16], o[8][16], kv[16];                                                          \
     float mx[8], inv[8];                                                                         \
+    /* Skip the left padding (bias -inf: weight exactly 0) whole 16-column chunks at a time, so \
+     * the softmax sums the same lanes in the same order: the same bits, less of the cache read */\
+    int64_t w0 = 0;                                                                              \
+    while (w0 < W && mb[w0] == -INFINITY) w0++;                                                  \
+    w0 = w0 < W ? w0 / 16 * 16 : 0;                                                              \
     for (int64_t g = 0; g < G; g++) {                                                            \
       mx[g] = -INFINITY;                                                                         \
       for (int64_t c = 0; c < CH; c++) {                                                         \
@@ -221,7 +226,7 @@ void rl2_small_gemm(const float* x, int64_t M, int64_t K, const float* w, int64_
         o[g][c] = _mm512_setzero_ps();                                                           \
       }                                                                                          \
     }                                                                                            \
-    for (int64_t w = 0; w < W; w++) { /* the product, times scale, plus the bias */              \
+    for (int64_t w = w0; w < W; w++) { /* the product, times scale, plus the bias */             \
       for (int64_t c = 0; c < CH; c++) kv[c] = _mm512_loadu_ps(kb + (w * CH + c) * 16);          \
       for (int64_t g = 0; g < G; g++) {                                                          \
         __m512 acc = _mm512_mul_ps(qv[g][0], kv[0]);                                             \
@@ -234,7 +239,7 @@ void rl2_small_gemm(const float* x, int64_t M, int64_t K, const float* w, int64_
     }                                                                                            \
     for (int64_t g = 0; g < G; g++) { /* softmax: exp(x - max), then times 1 / sum */            \
       __m512 sum = _mm512_setzero_ps(), top = _mm512_set1_ps(mx[g]);                             \
-      for (int64_t w = 0; w < W; w += 16) {                                                      \
+      for (int64_t w = w0; w < W; w += 16) {                                                     \
         __mmask16 m = W - w >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (W - w)) - 1u);       \
         __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + g * W + w), top));           \
         e = _mm512_maskz_mov_ps(m, e);                                                           \
@@ -243,7 +248,7 @@ void rl2_small_gemm(const float* x, int64_t M, int64_t K, const float* w, int64_
       }                                                                                          \
       inv[g] = 1.0f / _mm512_reduce_add_ps(sum);                                                 \
     }                                                                                            \
-    for (int64_t w = 0; w < W; w++) {                                                            \
+    for (int64_t w = w0; w < W; w++) {                                                           \
       for (int64_t c = 0; c < CH; c++) kv[c] = _mm512_loadu_ps(vb + (w * CH + c) * 16);          \
       for (int64_t g = 0; g < G; g++) {                                                          \
         __m512 p = _mm512_set1_ps(s[g * W + w] * inv[g]);                                        \

@@ -294,11 +294,11 @@ def test_packed_linears_route_few_rows_to_the_kernel_and_the_rest_to_onednn():
     off = onednn.PackedLinears()
     off(x, o)
     assert not off.small and not off._strips
-    # fused norm / residual: the kernel's few rows only; None tells the caller to do them itself
+    # fused norm / residual (more rows than the kernel's product takes: test_many_rows_...);
+    # None tells the caller to do them itself
     nw, res = torch.randn(64), torch.randn(4, 64)
     torch.testing.assert_close(pl.fused(x, (o,), norm=(nw, 1e-6), res=res),
                                res + o(F.rms_norm(x, (64,), nw, 1e-6)), rtol=1e-5, atol=1e-5)
-    assert pl.fused(torch.randn(small_gemm.MAX_ROWS + 1, 64), (o,), res=res) is None
     assert off.fused(x, (o,), res=res) is None
     gate, up = torch.nn.Linear(64, 48), torch.nn.Linear(64, 48, bias=False)
     torch.testing.assert_close(pl.fused(x, (gate, up), glu=True), F.silu(gate(x)) * up(x),
@@ -312,6 +312,51 @@ def test_packed_linears_route_few_rows_to_the_kernel_and_the_rest_to_onednn():
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     odd = torch.randn(4, 48)  # heads of 48: the kernel does not split them
     assert pl.fused(x, (q, k, v), rope=(odd, odd, 2)) is None
+
+
+@needs_kernel
+def test_many_rows_fuse_onednns_product_with_the_kernels_epilogues():
+    """Past MAX_ROWS (a prefill), `fused` is oneDNN's product with the norm, SiLU(gate) * up and
+    the rotation as one C pass each: the eager ops' results (the rotation bit for bit), and
+    None where a pass does not take the tensors (the caller then runs the eager ops)."""
+    from RL2.rollout import llama_forward
+
+    torch.manual_seed(0)
+    rows = small_gemm.MAX_ROWS + 37
+    q, k, v = (torch.nn.Linear(64, n, bias=True) for n in (64, 32, 32))
+    o, gate, up = torch.nn.Linear(64, 64, bias=False), torch.nn.Linear(64, 48), torch.nn.Linear(64, 48)
+    pl, x, nw, res = onednn.PackedLinears(small=True), torch.randn(rows, 64), torch.randn(64), torch.randn(rows, 64)
+    with torch.inference_mode():
+        h = F.rms_norm(x, (64,), nw, 1e-6)
+        torch.testing.assert_close(pl.fused(x, (o,), norm=(nw, 1e-6), res=res), res + pl(h, o),
+                                   rtol=1e-5, atol=1e-5)
+        assert torch.equal(pl.fused(x, (o,), res=res), res + pl(x, o))  # the same ops
+        torch.testing.assert_close(pl.fused(x, (gate, up), norm=(nw, 1e-6), glu=True),
+                                   F.silu(gate(h)) * up(h), rtol=1e-5, atol=1e-5)
+        cos, sin = _rotary(rows, 32, torch.Generator().manual_seed(1))
+        got = pl.fused(x, (q, k, v), rope=(cos, sin, 3))
+        want = pl.stacked(x, (q, k, v))
+        want[:, :96] = llama_forward._rotate(want[:, :96].view(rows, 3, 32), cos[:, None],
+                                             sin[:, None]).flatten(1)
+        assert torch.equal(got, want)
+        assert pl.fused(x, (q, k), glu=True) is None  # not a gate / up pair of one shape
+        odd = torch.randn(rows, 48)  # heads of 48: not a multiple of 32
+        assert pl.fused(x, (q, k, v), rope=(odd, odd, 2)) is None
+        assert pl.fused(x.double(), (o,), res=res.double()) is None
+        assert pl.fused(x.t().contiguous().t(), (o,), res=res) is None  # column-major rows
+        assert onednn.PackedLinears().fused(x, (o,), res=res) is None  # no kernel asked for
+        # the norm and the activation: the arithmetic of the kernel's few-row epilogues (seen
+        # through an identity product, exact) and the eager ops' results within rounding
+        eye, few = torch.eye(64), x[:8]
+        torch.testing.assert_close(small_gemm.rms_norm(x, nw, 1e-6), h, rtol=1e-6, atol=1e-6)
+        assert torch.equal(small_gemm.rms_norm(few, nw, 1e-6),
+                           small_gemm.linear(few, small_gemm.pack(eye), 64, norm=(nw, 1e-6)))
+        gu = torch.randn(rows, 64) * 8
+        torch.testing.assert_close(small_gemm.silu_mul(gu, 32), F.silu(gu[:, :32]) * gu[:, 32:],
+                                   rtol=1e-6, atol=1e-6)
+        assert torch.equal(small_gemm.silu_mul(gu[:8], 32),
+                           small_gemm.linear(gu[:8], small_gemm.pack_glu(eye[:32], eye[32:]), 32, glu=True))
+        assert small_gemm.silu_mul(gu, 40) is None and small_gemm.rms_norm(x, nw[:8], 1e-6) is None
 
 
 def _decode_steps(model, pl, ids):
@@ -354,8 +399,9 @@ def _two_paths():
 @needs_kernel
 def test_decoder_layers_with_the_kernels_fused_ops_match_hf():
     # llama_forward hands each layer's RMSNorms, rotary, residual adds and SiLU(gate) * up to
-    # the kernel when it takes the product: the prefill (180 rows: oneDNN, unfused) and the
-    # decode steps (fused; here op by op, without decode_layer) must both still give HF's logits
+    # the kernel: with the product at the decode steps (here op by op, without decode_layer),
+    # as passes of their own around oneDNN's product in the prefill (180 rows); both must
+    # still give HF's logits
     model = _model(5)
     pl, calls = onednn.PackedLinears(small=True), []
     pl.decode_layer = None
@@ -365,14 +411,13 @@ def test_decoder_layers_with_the_kernels_fused_ops_match_hf():
         want = model(ids).logits
     got = _decode_steps(model, pl, ids)
     torch.testing.assert_close(got, want[:, 59:], rtol=1e-4, atol=1e-4)
-    # at each of the 4 decode steps, per layer: the q/k/v product with its norm and rotation,
-    # o_proj with its residual, gate/up with its norm and activation, down_proj with its
-    # residual; then the final norm with the LM head. The prefill's 180-row products went to oneDNN, only its
-    # last-token logits (3 rows) to the kernel.
-    assert sum("norm" in kw for kw in calls) == 4 * (2 * 2 + 1) + 1
-    assert sum("res" in kw for kw in calls) == 4 * 2 * 2
-    assert sum(kw.get("glu", False) for kw in calls) == 4 * 2
-    assert sum(kw.get("rope") is not None for kw in calls) == 4 * 2
+    # in the prefill and each of the 4 decode steps, per layer: the q/k/v product with its norm
+    # and rotation, o_proj with its residual, gate/up with its norm and activation, down_proj
+    # with its residual; then the final norm with the LM head
+    assert sum("norm" in kw for kw in calls) == 5 * (2 * 2 + 1)
+    assert sum("res" in kw for kw in calls) == 5 * 2 * 2
+    assert sum(kw.get("glu", False) for kw in calls) == 5 * 2
+    assert sum(kw.get("rope") is not None for kw in calls) == 5 * 2
 
 
 @needs_kernel

@@ -163,8 +163,33 @@ class PackedLinears:
                 return None
             order = (n, rope[2], rope[0].shape[-1])
         kernel = self._kernel_weights(x, projs, glu, order)
-        return None if kernel is None else small_gemm.linear(x, *kernel, res=res, norm=norm,
-                                                             glu=glu, rope=rope)
+        if kernel is None:
+            return self._many_rows(x, projs, norm, res, glu, rope)
+        return small_gemm.linear(x, *kernel, res=res, norm=norm, glu=glu, rope=rope)
+
+    def _many_rows(self, x: torch.Tensor, projs: tuple, norm: tuple | None, res: torch.Tensor | None,
+                   glu: bool, rope: tuple | None) -> torch.Tensor | None:
+        """`fused` for more rows than the kernel's product takes (a prefill): oneDNN's product,
+        the norm, SiLU(gate) * up and the rotation each one pass of the kernel's C (PyTorch's
+        eager ops make 5 passes of a norm, 5 of a rotation); 1.1 s -> _ s for a 32-prompt
+        prefill of SmolLM2-135M (benchmarks/README.md, fix 28). None where it does not apply."""
+        if not (self.small and x.dim() == 2 and x.shape[0] > small_gemm.MAX_ROWS
+                and small_gemm._plain(x)):
+            return None
+        if rope is not None and (rope[0].shape[-1] % 32 or not small_gemm._plain(*rope[:2])):
+            return None
+        if glu and (len(projs) != 2 or projs[0].weight.shape != projs[1].weight.shape):
+            return None
+        if norm is not None:
+            x = small_gemm.rms_norm(x, *norm)
+            if x is None:
+                return None
+        y = self.stacked(x, projs)
+        if glu:
+            return small_gemm.silu_mul(y, projs[0].weight.shape[0])
+        if rope is not None:
+            return small_gemm.rope_(y, *rope)
+        return y if res is None else res + y
 
     def attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                   bias: torch.Tensor, scale: float) -> torch.Tensor | None:

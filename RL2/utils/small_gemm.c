@@ -350,3 +350,41 @@ void rl2_decode_layer(const float* x, int64_t M, int64_t hidden, int64_t heads, 
   rl2_small_gemm(act, M, inter, down_w, hidden, down_b, x2, 0, 0.0f, 0, out, 0, 0, 0, 0, 0,
                  threads);
 }
+
+/* The kernel's epilogues as passes of their own, for products with more rows than the kernel
+ * takes (a prefill's, on oneDNN): one pass each where PyTorch makes several (RMSNorm: five;
+ * the rotation: cat, neg, two muls and an add). Rows are shared out among threads. */
+
+/* h = RMSNorm(x) (rms_row), M rows of K */
+void rl2_rms_norm(const float* x, int64_t M, int64_t K, const float* norm_w, float eps, float* h,
+                  int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t m = 0; m < M; m++) rms_row(x + m * K, K, norm_w, eps, h + m * K);
+}
+
+/* y = SiLU(gate) * up, gu: M rows of 2N (the gate's N columns, then the up projection's) */
+void rl2_silu_mul(const float* gu, int64_t M, int64_t N, float* y, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t m = 0; m < M; m++)
+    for (int64_t n = 0; n < N; n += 16) {
+      __mmask16 k = N - n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (N - n)) - 1u);
+      const float* g = gu + m * 2 * N + n;
+      _mm512_mask_storeu_ps(y + m * N + n, k,
+                            silu_mul(_mm512_maskz_loadu_ps(k, g), _mm512_maskz_loadu_ps(k, g + N)));
+    }
+}
+
+/* The first `heads` heads (D columns each, D a multiple of 32) of M rows of y (row stride ld)
+ * rotated in place as HF's apply_rotary_pos_emb rotates a head; cos, sin: M x D */
+void rl2_rope(float* y, int64_t M, int64_t ld, int64_t heads, int64_t D, const float* cos,
+              const float* sin, int threads) {
+  int64_t half = D / 2;
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t m = 0; m < M; m++)
+    for (int64_t j = 0; j < heads; j++)
+      for (int64_t c = 0; c < half; c += 16) {
+        float* p = y + m * ld + j * D + c;
+        rotate16(_mm512_loadu_ps(p), _mm512_loadu_ps(p + half), cos + m * D + c, sin + m * D + c,
+                 half, p, half);
+      }
+}

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 
 MAX_ROWS = 128  # at most this many rows per product; more go to oneDNN (crossover ~160-190, fix 26)
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "small_gemm.c")
-CFLAGS = ["-O3", "-mavx512f", "-mfma", "-fopenmp", "-fPIC"]
+CFLAGS = ["-O3", "-mavx512f", "-mfma", "-ffp-contract=off", "-fopenmp", "-fPIC"]
 
 
 def cpuinfo(key: str) -> str:
@@ -152,6 +152,11 @@ def load():
                                          i, i, p, f, p, p, p, p, f, p, p, i, p, p, p, p, p, p, p, p,
                                          ctypes.c_int]
         lib.rl2_decode_layer.restype = None
+        lib.rl2_rms_norm.argtypes = [p, i, i, p, f, p, ctypes.c_int]
+        lib.rl2_silu_mul.argtypes = [p, i, i, p, ctypes.c_int]
+        lib.rl2_rope.argtypes = [p, i, i, i, i, p, p, ctypes.c_int]
+        for fn in (lib.rl2_rms_norm, lib.rl2_silu_mul, lib.rl2_rope):
+            fn.restype = None
         if len(openmp_libraries()) != 1:
             return None, "loading the kernel brought a second OpenMP runtime"
         _self_check(lib)
@@ -354,3 +359,46 @@ def decode_layer(x: torch.Tensor, norm1: tuple, qkv: tuple, rope: tuple, cache: 
                          inter, down[0].data_ptr(), biases[3], h.data_ptr(), q.data_ptr(),
                          att.data_ptr(), x2.data_ptr(), act.data_ptr(), out.data_ptr(), threads)
     return out
+
+
+def _plain(*tensors: torch.Tensor) -> bool:
+    return all(type(t) in (torch.Tensor, torch.nn.Parameter) and t.dtype == torch.float32
+               and t.device.type == "cpu" and t.is_contiguous() for t in tensors)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """RMSNorm of the rows of x [M, K] as the kernel's fused norm computes it (HF's fp32
+    RMSNorm summed in another order) in one pass, for rows the kernel's product does not take;
+    None where the kernel does not take these tensors."""
+    lib = load()[0]
+    if lib is None or x.dim() != 2 or not _plain(x, weight) or weight.shape != x.shape[1:]:
+        return None
+    h = torch.empty_like(x)
+    lib.rl2_rms_norm(x.data_ptr(), x.shape[0], x.shape[1], weight.data_ptr(), float(eps), h.data_ptr(),
+                     torch.get_num_threads())
+    return h
+
+
+def silu_mul(gu: torch.Tensor, n: int) -> torch.Tensor | None:
+    """SiLU(gu[:, :n]) * gu[:, n:] of gu [M, 2n] (a stacked gate and up projection) in one pass,
+    as the kernel's glu epilogue computes it; None where the kernel does not take it."""
+    lib = load()[0]
+    if lib is None or gu.dim() != 2 or gu.shape[1] != 2 * n or not _plain(gu):
+        return None
+    y = gu.new_empty(gu.shape[0], n)
+    lib.rl2_silu_mul(gu.data_ptr(), gu.shape[0], n, y.data_ptr(), torch.get_num_threads())
+    return y
+
+
+def rope_(y: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int) -> torch.Tensor | None:
+    """The first `heads` heads of y [M, N] rotated in place, as HF's apply_rotary_pos_emb rotates
+    a head (the same arithmetic, bit for bit; cos, sin [M, head_dim], head_dim a multiple of
+    32); y, or None (y untouched) where the kernel does not take these tensors."""
+    lib = load()[0]
+    d = cos.shape[-1]
+    if (lib is None or y.dim() != 2 or cos.shape != (y.shape[0], d) or sin.shape != cos.shape
+            or d % 32 or heads * d > y.shape[1] or not _plain(y, cos, sin)):
+        return None
+    lib.rl2_rope(y.data_ptr(), y.shape[0], y.shape[1], heads, d, cos.data_ptr(), sin.data_ptr(),
+                 torch.get_num_threads())
+    return y

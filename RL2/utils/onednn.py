@@ -171,8 +171,8 @@ class PackedLinears:
                    glu: bool, rope: tuple | None) -> torch.Tensor | None:
         """`fused` for more rows than the kernel's product takes (a prefill): oneDNN's product,
         the norm, SiLU(gate) * up and the rotation each one pass of the kernel's C (PyTorch's
-        eager ops make 5 passes of a norm, 5 of a rotation); 1.1 s -> _ s for a 32-prompt
-        prefill of SmolLM2-135M (benchmarks/README.md, fix 28). None where it does not apply."""
+        eager ops make 5 passes of a norm, 5 of a rotation); a 32-prompt prefill of SmolLM2-135M
+        1.21 -> 1.05 s (benchmarks/README.md, fix 28). None where it does not apply."""
         if not (self.small and x.dim() == 2 and x.shape[0] > small_gemm.MAX_ROWS
                 and small_gemm._plain(x)):
             return None

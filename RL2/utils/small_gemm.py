@@ -11,7 +11,10 @@ after it, and the decode step's attention (`attention`), each with HF's arithmet
 eager ops they cost a decode step more than their arithmetic. `decode_layer` runs a whole
 decoder layer of a decode step (those ops and the KV cache write) in one call, the same bits as
 op by op without the Python between them (fix 27). Products of more rows (prefill) stay on
-oneDNN, so the engine holds both packed copies of its weights.
+oneDNN, so the engine holds both packed copies of its weights; the norm, rotation and SiLU(gate)
+* up around them run as one C pass each (`rms_norm`, `rope_`, `silu_mul`; fix 28). Built with
+-ffp-contract=off: otherwise the compiler fuses a multiply and an add the eager ops round
+apart (the rotation's, found by a bit-equality test).
 
 The C source ships with the package and is compiled on first use with the system's C compiler
 (`$CC`, else gcc / cc; about a second) into `$RL2_CACHE_DIR` (default `~/.cache/rl2`), keyed by

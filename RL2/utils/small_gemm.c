@@ -135,7 +135,7 @@ static const panel_fn PANELS[ROWS + 1] = {0, panel_1, panel_2, panel_3, panel_4,
                                           panel_7, panel_8, panel_9, panel_10, panel_11, panel_12};
 
 /* h = x / sqrt(mean(x^2) + eps) * norm_w, one row of K (HF's fp32 RMSNorm, summed in another order) */
-static void rms_row(const float* x, int64_t K, const float* norm_w, float eps, float* h) {
+static float rms_row(const float* x, int64_t K, const float* norm_w, float eps, float* h) {
   __m512 acc = _mm512_setzero_ps();
   for (int64_t k = 0; k < K; k += 16) {
     __mmask16 m = K - k >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (K - k)) - 1u);
@@ -149,6 +149,7 @@ static void rms_row(const float* x, int64_t K, const float* norm_w, float eps, f
     __m512 v = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, x + k), rv);
     _mm512_mask_storeu_ps(h + k, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, norm_w + k), v));
   }
+  return r;
 }
 
 /* x: M x K row-major; w: ceil(N / 16) strips; bias: N floats or NULL; res: M x N or NULL, added
@@ -387,4 +388,55 @@ void rl2_rope(float* y, int64_t M, int64_t ld, int64_t heads, int64_t D, const f
         rotate16(_mm512_loadu_ps(p), _mm512_loadu_ps(p + half), cos + m * D + c, sin + m * D + c,
                  half, p, half);
       }
+}
+
+/* Training RMSNorm (fp32, rows of K): PyTorch runs HF's module as ~6 ops forward and ~12
+ * backward, most of them passes over the rows (25.7M model, 1020 tokens: 0.45 ms forward, 4.5
+ * ms backward per norm). Forward: y = w * (x * r) with r = 1 / sqrt(mean(x^2) + eps) kept per
+ * row. Backward, with y_k = w_k x_k r and dr/dx_j = -r^3 x_j / K:
+ * dx_j = r g_j w_j - x_j r^3 / K * sum_k g_k w_k x_k, and dw_k = sum over rows of g_k x_k r,
+ * summed per thread over its rows (part: threads x K, zeroed by the caller) and then over the
+ * threads in order (the same bits for the same thread count). */
+void rl2_rms_norm_fwd(const float* x, int64_t M, int64_t K, const float* w, float eps, float* y,
+                      float* rstd, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t m = 0; m < M; m++) rstd[m] = rms_row(x + m * K, K, w, eps, y + m * K);
+}
+
+void rl2_rms_norm_bwd(const float* x, const float* g, const float* w, const float* rstd, int64_t M,
+                      int64_t K, float* dx, float* dw, float* part, int threads) {
+#pragma omp parallel num_threads(threads)
+  {
+    float* acc = part + (int64_t)omp_get_thread_num() * K;
+#pragma omp for schedule(static)
+    for (int64_t m = 0; m < M; m++) {
+      const float *xm = x + m * K, *gm = g + m * K;
+      float r = rstd[m];
+      __m512 s = _mm512_setzero_ps();
+      for (int64_t k = 0; k < K; k += 16) {
+        __mmask16 q = K - k >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (K - k)) - 1u);
+        __m512 gw = _mm512_mul_ps(_mm512_maskz_loadu_ps(q, gm + k), _mm512_maskz_loadu_ps(q, w + k));
+        s = _mm512_fmadd_ps(gw, _mm512_maskz_loadu_ps(q, xm + k), s);
+      }
+      __m512 rv = _mm512_set1_ps(r), c = _mm512_set1_ps(r * r * r * _mm512_reduce_add_ps(s) / (float)K);
+      for (int64_t k = 0; k < K; k += 16) {
+        __mmask16 q = K - k >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (K - k)) - 1u);
+        __m512 xv = _mm512_maskz_loadu_ps(q, xm + k), gv = _mm512_maskz_loadu_ps(q, gm + k);
+        __m512 gw = _mm512_mul_ps(gv, _mm512_maskz_loadu_ps(q, w + k));
+        _mm512_mask_storeu_ps(dx + m * K + k, q,
+                              _mm512_sub_ps(_mm512_mul_ps(rv, gw), _mm512_mul_ps(c, xv)));
+        if (dw)
+          _mm512_mask_storeu_ps(acc + k, q, _mm512_fmadd_ps(_mm512_mul_ps(gv, xv), rv,
+                                                           _mm512_maskz_loadu_ps(q, acc + k)));
+      }
+    }
+    if (dw) { /* the for loop's barrier: every thread's part is complete */
+#pragma omp for schedule(static)
+      for (int64_t k = 0; k < K; k++) {
+        float t = 0.0f;
+        for (int i = 0; i < threads; i++) t += part[(int64_t)i * K + k];
+        dw[k] = t;
+      }
+    }
+  }
 }

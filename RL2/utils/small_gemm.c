@@ -415,10 +415,12 @@ void rl2_rms_norm_bwd(const float* x, const float* g, const float* w, const floa
       __m512 s = _mm512_setzero_ps();
       for (int64_t k = 0; k < K; k += 16) {
         __mmask16 q = K - k >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (K - k)) - 1u);
-        __m512 gw = _mm512_mul_ps(_mm512_maskz_loadu_ps(q, gm + k), _mm512_maskz_loadu_ps(q, w + k));
+        __m512 gw = _mm512_mul_ps(_mm512_maskz_loadu_ps(q, gm + k),
+                                  _mm512_maskz_loadu_ps(q, w + k));
         s = _mm512_fmadd_ps(gw, _mm512_maskz_loadu_ps(q, xm + k), s);
       }
-      __m512 rv = _mm512_set1_ps(r), c = _mm512_set1_ps(r * r * r * _mm512_reduce_add_ps(s) / (float)K);
+      __m512 rv = _mm512_set1_ps(r);
+      __m512 c = _mm512_set1_ps(r * r * r * _mm512_reduce_add_ps(s) / (float)K);
       for (int64_t k = 0; k < K; k += 16) {
         __mmask16 q = K - k >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (K - k)) - 1u);
         __m512 xv = _mm512_maskz_loadu_ps(q, xm + k), gv = _mm512_maskz_loadu_ps(q, gm + k);
@@ -438,5 +440,33 @@ void rl2_rms_norm_bwd(const float* x, const float* g, const float* w, const floa
         dw[k] = t;
       }
     }
+  }
+}
+
+/* Training SiLU(gate) * up over n elements (fp32; gate, up, h and the gradients of one shape):
+ * forward h = SiLU(g) * u (silu_mul); backward, with s = sigmoid(g) (PyTorch's silu_backward
+ * formula): du = dh SiLU(g), dg = dh u s (1 + g (1 - s)). */
+void rl2_glu_fwd(const float* g, const float* u, int64_t n, float* h, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t i = 0; i < n; i += 16) {
+    __mmask16 k = n - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - i)) - 1u);
+    _mm512_mask_storeu_ps(h + i, k,
+                          silu_mul(_mm512_maskz_loadu_ps(k, g + i), _mm512_maskz_loadu_ps(k, u + i)));
+  }
+}
+
+void rl2_glu_bwd(const float* g, const float* u, const float* dh, int64_t n, float* dg, float* du,
+                 int threads) {
+  const __m512 one = _mm512_set1_ps(1.0f);
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t i = 0; i < n; i += 16) {
+    __mmask16 k = n - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - i)) - 1u);
+    __m512 gv = _mm512_maskz_loadu_ps(k, g + i), uv = _mm512_maskz_loadu_ps(k, u + i);
+    __m512 d = _mm512_maskz_loadu_ps(k, dh + i);
+    __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv));
+    __m512 s = _mm512_div_ps(one, _mm512_add_ps(one, e));
+    _mm512_mask_storeu_ps(du + i, k, _mm512_mul_ps(d, _mm512_mul_ps(gv, s)));
+    __m512 ds = _mm512_mul_ps(s, _mm512_add_ps(one, _mm512_mul_ps(gv, _mm512_sub_ps(one, s))));
+    _mm512_mask_storeu_ps(dg + i, k, _mm512_mul_ps(_mm512_mul_ps(d, uv), ds));
   }
 }

@@ -14,7 +14,7 @@ from RL2.parallel.attention import PackedContext, check_sp_rope, config_rope_typ
 from RL2.parallel.collectives import gather_objects
 from RL2.parallel.fsdp import parallelize, reshard, resolve_reshard
 from RL2.parallel.mesh import ParallelDims
-from RL2.utils import cpu_norm, onednn
+from RL2.utils import cpu_ops, onednn
 from RL2.utils.config import check_choice, resolve_dtype
 from RL2.workers import lora
 from RL2.workers.loading import load_sharded, model_config
@@ -84,8 +84,9 @@ class Worker:
         if cpu_matmul == "onednn" and device == "cpu":
             n = onednn.use_for_linears(self.model)  # TP's DTensor weights keep F.linear
             logger.info("cpu_matmul=onednn: %d linear layers computed by oneDNN", n)
-        if cfg.get("cpu_norm", True) and device == "cpu":  # DTensor / non-fp32 inputs: HF's forward
-            logger.info("cpu_norm: %d RMSNorms through RL2's kernel", cpu_norm.use_for_norms(self.model))
+        if cfg.get("cpu_fused_ops", True) and device == "cpu":  # DTensor / non-fp32: HF's forward
+            logger.info("cpu_fused_ops: %d RMSNorms and %d MLPs through RL2's kernel",
+                        *cpu_ops.use_for_model(self.model))
         self.config = self.model.config
         check_sp_rope(rope_types(self.model), self.dims.sp)
         # ring attention's K/V blocks through shared memory, as FSDP's collectives (cpu_comm)

@@ -1,12 +1,13 @@
-"""Training RMSNorms through RL2's C kernel (RL2/utils/cpu_norm.py) against HF's module:
-values and both gradients, the model's logits and every gradient, what falls back, and an SFT
-run with actor.cpu_norm=false against the default."""
+"""Training RMSNorms and SiLU(gate) * up through RL2's C kernel (RL2/utils/cpu_ops.py) against
+HF's modules: values and gradients, a model's logits and every gradient, what falls back or is
+left alone, and an SFT run with actor.cpu_fused_ops=false against the default."""
 import pytest
 import torch
+import torch.nn.functional as F
 from transformers import Qwen2Config, Qwen2ForCausalLM
 from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
 
-from RL2.utils import cpu_norm, small_gemm
+from RL2.utils import cpu_ops, small_gemm
 from tests.run_utils import assert_close, run_trainer, sft_args, train_rows
 
 needs_kernel = pytest.mark.skipif(not small_gemm.available(), reason="RL2's AVX-512 kernel not built here")
@@ -30,11 +31,28 @@ def test_forward_and_both_gradients_match_hfs_module(shape):
     want.backward(grad)
     want_dx, want_dw = x.grad.clone(), norm.weight.grad.clone()
     x.grad = norm.weight.grad = None
-    got = cpu_norm.rms_norm(x, norm.weight, norm.variance_epsilon)
+    got = cpu_ops.rms_norm(x, norm.weight, norm.variance_epsilon)
     got.backward(grad)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(x.grad, want_dx, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(norm.weight.grad, want_dw, rtol=1e-5, atol=1e-4)
+
+
+@needs_kernel
+@pytest.mark.parametrize("shape", [(2, 70, 1536), (3, 37)])  # 37: a tail of 5 lanes
+def test_silu_mul_and_its_gradients_match_the_eager_ops(shape):
+    g = torch.Generator().manual_seed(len(shape))
+    gate = (torch.randn(shape, generator=g) * 6).requires_grad_()  # past exp's clamps too
+    up = torch.randn(shape, generator=g).requires_grad_()
+    grad = torch.randn(shape, generator=g)
+    want = F.silu(gate) * up
+    want.backward(grad)
+    want_grads = gate.grad.clone(), up.grad.clone()
+    gate.grad = up.grad = None
+    got = cpu_ops.silu_mul(gate, up)
+    got.backward(grad)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close((gate.grad, up.grad), want_grads, rtol=1e-5, atol=1e-6)
 
 
 @needs_kernel
@@ -48,7 +66,7 @@ def test_frozen_weight_gets_no_gradient_and_threads_change_no_input_gradient():
         for n in (1, 2):
             torch.set_num_threads(n)
             x.grad = None
-            cpu_norm.rms_norm(x, norm.weight, 1e-6).sum().backward()
+            cpu_ops.rms_norm(x, norm.weight, 1e-6).sum().backward()
             grads.append(x.grad.clone())
     finally:
         torch.set_num_threads(threads)
@@ -56,10 +74,10 @@ def test_frozen_weight_gets_no_gradient_and_threads_change_no_input_gradient():
     assert torch.equal(grads[0], grads[1])  # each row's gradient is its own pass
 
 
-def _model(seed: int = 0) -> Qwen2ForCausalLM:
+def _model(seed: int = 0, **extra) -> Qwen2ForCausalLM:
     torch.manual_seed(seed)
     cfg = Qwen2Config(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2)
+                      num_attention_heads=4, num_key_value_heads=2, **extra)
     model = Qwen2ForCausalLM(cfg)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -71,7 +89,7 @@ def _model(seed: int = 0) -> Qwen2ForCausalLM:
 @needs_kernel
 def test_a_models_norms_switch_and_its_logits_and_gradients_stay():
     ref, model = _model(), _model()
-    assert cpu_norm.use_for_norms(model) == 2 * 2 + 1  # two per layer and the final one
+    assert cpu_ops.use_for_model(model) == (2 * 2 + 1, 2)  # norms: two per layer and the final one
     ids = torch.randint(0, 300, (2, 40), generator=torch.Generator().manual_seed(1))
     outs = []
     for m in (ref, model):
@@ -97,13 +115,24 @@ def test_a_class_whose_forward_differs_is_left_alone():
         def forward(self, x):
             return self.weight * x / x.abs().mean(-1, keepdim=True)
 
-    model = torch.nn.Sequential(Qwen2RMSNorm(), Qwen2RMSNorm())
-    assert cpu_norm.use_for_norms(model) == 0
+    class Qwen2MLP(torch.nn.Module):  # likewise: the activation after the product
+        def __init__(self):
+            super().__init__()
+            self.gate_proj, self.up_proj, self.down_proj = (torch.nn.Linear(32, 32) for _ in range(3))
+            self.act_fn = torch.nn.SiLU()
+
+        def forward(self, x):
+            return self.act_fn(self.down_proj(self.gate_proj(x) * self.up_proj(x)))
+
+    model = torch.nn.Sequential(Qwen2RMSNorm(), Qwen2RMSNorm(), Qwen2MLP())
+    assert cpu_ops.use_for_model(model) == (0, 0)
     assert all("forward" not in vars(m) for m in model)
+    gelu = _model(hidden_act="gelu_pytorch_tanh")  # another activation: its MLPs stay
+    assert cpu_ops.use_for_model(gelu) == ((2 * 2 + 1, 0) if small_gemm.available() else (0, 0))
 
 
 @needs_kernel
-def test_sft_without_cpu_norm_matches_the_default(assets, serial, tmp_path):
-    run_trainer("sft", 1, sft_args(assets, "actor.dtype=float32", "actor.cpu_norm=false"), tmp_path)
+def test_sft_without_cpu_fused_ops_matches_the_default(assets, serial, tmp_path):
+    run_trainer("sft", 1, sft_args(assets, "actor.dtype=float32", "actor.cpu_fused_ops=false"), tmp_path)
     for key in ("train/loss", "train/grad_norm", "test/loss"):
         assert_close(train_rows(tmp_path, key), train_rows(serial["float32"], key), 1e-5, key)

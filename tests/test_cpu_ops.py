@@ -136,3 +136,26 @@ def test_sft_without_cpu_fused_ops_matches_the_default(assets, serial, tmp_path)
     run_trainer("sft", 1, sft_args(assets, "actor.dtype=float32", "actor.cpu_fused_ops=false"), tmp_path)
     for key in ("train/loss", "train/grad_norm", "test/loss"):
         assert_close(train_rows(tmp_path, key), train_rows(serial["float32"], key), 1e-5, key)
+
+
+@needs_kernel
+def test_switching_leaves_the_global_generator_and_rejects_what_it_cannot_take():
+    """The class checks draw their probes without moving torch's global generator (a seeded
+    run's later draws must not depend on the option); the helpers refuse tensors the kernel
+    cannot read, and a second derivative, rather than reading past a buffer or dropping it."""
+    model = _model()
+    torch.manual_seed(5)
+    want = torch.rand(4)
+    torch.manual_seed(5)
+    assert cpu_ops.use_for_model(model) == (5, 2)
+    assert torch.equal(torch.rand(4), want)
+    norm, x = _norm(16), torch.randn(3, 16)
+    for bad in [lambda: cpu_ops.rms_norm(x[:, :8], norm.weight, 1e-6),
+                lambda: cpu_ops.rms_norm(x.double(), norm.weight.double(), 1e-6),
+                lambda: cpu_ops.silu_mul(x, x[:2])]:
+        with pytest.raises(ValueError):
+            bad()
+    x.requires_grad_()
+    (dx,) = torch.autograd.grad(cpu_ops.rms_norm(x, norm.weight, 1e-6).pow(2).sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable|does not require grad"):
+        dx.sum().backward()

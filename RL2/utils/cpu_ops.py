@@ -45,6 +45,7 @@ class RMSNormFunction(torch.autograd.Function):
         return y.view(x.shape)
 
     @staticmethod
+    @torch.autograd.function.once_differentiable  # C: no graph of its own to differentiate
     def backward(ctx, grad: torch.Tensor):
         rows, w, rstd = ctx.saved_tensors
         lib = small_gemm.load()[0]
@@ -72,6 +73,7 @@ class GLUFunction(torch.autograd.Function):
         return h
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, grad: torch.Tensor):
         g, u = ctx.saved_tensors
         lib = small_gemm.load()[0]
@@ -82,26 +84,40 @@ class GLUFunction(torch.autograd.Function):
         return dg, du
 
 
+def norm_takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return (_plain(x, weight) and weight.dim() == 1 and x.dim() >= 1 and x.shape[-1] == weight.shape[0]
+            and x.numel() > 0 and small_gemm.available())
+
+
+def glu_takes(gate: torch.Tensor, up: torch.Tensor) -> bool:
+    return _plain(gate, up) and gate.shape == up.shape and gate.numel() > 0 and small_gemm.available()
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """weight * (x * rsqrt(mean(x^2, -1) + eps)) through the kernel (fp32 CPU tensors)."""
+    """weight * (x * rsqrt(mean(x^2, -1) + eps)) through the kernel (`norm_takes` tensors)."""
+    if not norm_takes(x, weight):
+        raise ValueError(f"rms_norm: fp32 CPU tensors, x [..., K] and weight [K], and the kernel "
+                         f"(got {x.dtype} {tuple(x.shape)}, {weight.dtype} {tuple(weight.shape)})")
     return RMSNormFunction.apply(x, weight, eps)
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """SiLU(gate) * up through the kernel (fp32 CPU tensors of one shape)."""
+    """SiLU(gate) * up through the kernel (`glu_takes` tensors: fp32 CPU, one shape)."""
+    if not glu_takes(gate, up):
+        raise ValueError(f"silu_mul: fp32 CPU tensors of one shape, and the kernel (got "
+                         f"{gate.dtype} {tuple(gate.shape)}, {up.dtype} {tuple(up.shape)})")
     return GLUFunction.apply(gate, up)
 
 
 def _norm_forward(self, x):
-    w = self.weight
-    if _plain(x, w) and w.dim() == 1 and x.shape[-1] == w.shape[0] and x.numel():
-        return rms_norm(x, w, self.variance_epsilon)
+    if norm_takes(x, self.weight):
+        return rms_norm(x, self.weight, self.variance_epsilon)
     return type(self).forward(self, x)
 
 
 def _mlp_forward(self, x):
     gate, up = self.gate_proj(x), self.up_proj(x)
-    if _plain(gate, up) and gate.shape == up.shape and gate.numel():
+    if glu_takes(gate, up):
         return self.down_proj(silu_mul(gate, up))
     return self.down_proj(self.act_fn(gate) * up)
 
@@ -166,10 +182,13 @@ def use_for_model(model: torch.nn.Module) -> tuple[int, int]:
         else:
             continue
         if key not in verdict:
-            try:
-                verdict[key] = check(module)
-            except (AttributeError, TypeError, RuntimeError):  # a forward of another shape
-                verdict[key] = False
+            # the probes' nn.Linear draw from the global generator: a seeded run's later
+            # draws (dropout, LoRA init) must not depend on this option or the CPU
+            with torch.random.fork_rng(devices=[]):
+                try:
+                    verdict[key] = check(module)
+                except (AttributeError, TypeError, RuntimeError):  # a forward of another shape
+                    verdict[key] = False
         if verdict[key]:
             module.forward = types.MethodType(forward, module)
             counts[kind] += 1

@@ -176,8 +176,12 @@ class PackedLinears:
         if not (self.small and x.dim() == 2 and x.shape[0] > small_gemm.MAX_ROWS
                 and small_gemm._plain(x)):
             return None
-        if rope is not None and (rope[0].shape[-1] % 32 or not small_gemm._plain(*rope[:2])):
+        d = rope[0].shape[-1] if rope is not None else 0
+        if rope is not None and (d % 32 or rope[0].shape != (x.shape[0], d)
+                                 or rope[1].shape != rope[0].shape or not small_gemm._plain(*rope[:2])):
             return None
+        if res is not None and (glu or rope is not None):  # as the kernel: no add after those
+            raise ValueError("fused: res goes with neither glu nor rope")
         if glu and (len(projs) != 2 or projs[0].weight.shape != projs[1].weight.shape):
             return None
         if norm is not None:

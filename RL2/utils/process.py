@@ -23,11 +23,12 @@ def port_below_ephemeral(slot: int = 0, slots: int = 1, low: int = 22000, high: 
     """A port that bound free just now, drawn from slice `slot` of `slots` of [low, high].
     A port from `free_port` lies in the kernel's ephemeral range (32768-60999 by default), where
     any outgoing connection (a gloo pair, a TCPStore client) may take it before the caller
-    binds; below that range only explicit binds compete, and disjoint slices keep concurrent
-    callers (engines of one host, test workers) off each other's ports. `free_port` when the
-    whole sample of the slice is busy."""
-    width = (high - low + 1) // max(1, slots)
-    start = low + min(slot, slots - 1) * width
+    binds; below that range only explicit binds compete, and callers given disjoint slices
+    (engines of one host, test workers) never draw the same port (others draw at random from
+    the whole range). `free_port` when the whole sample of the slice is busy."""
+    slots = max(1, slots)
+    width = (high - low + 1) // slots
+    start = low + min(max(slot, 0), slots - 1) * width
     for port in random.Random().sample(range(start, start + width), min(width, 64)):
         with socket.socket() as s:
             try:
@@ -35,7 +36,7 @@ def port_below_ephemeral(slot: int = 0, slots: int = 1, low: int = 22000, high: 
             except OSError:
                 continue
         return port
-    return free_port()
+    return free_port("127.0.0.1" if host == "0.0.0.0" else host)
 
 
 def die_with_parent(sig: int = signal.SIGKILL) -> None:

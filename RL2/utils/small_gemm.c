@@ -407,7 +407,7 @@ void rl2_rms_norm_bwd(const float* x, const float* g, const float* w, const floa
                       int64_t K, float* dx, float* dw, float* part, int threads) {
 #pragma omp parallel num_threads(threads)
   {
-    float* acc = part + (int64_t)omp_get_thread_num() * K;
+    float* acc = dw ? part + (int64_t)omp_get_thread_num() * K : 0;
 #pragma omp for schedule(static)
     for (int64_t m = 0; m < M; m++) {
       const float *xm = x + m * K, *gm = g + m * K;

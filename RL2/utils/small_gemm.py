@@ -370,8 +370,11 @@ def decode_layer(x: torch.Tensor, norm1: tuple, qkv: tuple, rope: tuple, cache: 
 
 
 def _plain(*tensors: torch.Tensor) -> bool:
+    # inference only (raw pointers: no autograd graph, no version bump of what rope_ rotates)
+    grad = torch.is_grad_enabled()
     return all(type(t) in (torch.Tensor, torch.nn.Parameter) and t.dtype == torch.float32
-               and t.device.type == "cpu" and t.is_contiguous() for t in tensors)
+               and t.device.type == "cpu" and t.is_contiguous() and not (grad and t.requires_grad)
+               for t in tensors)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:

@@ -92,7 +92,8 @@ def _sharded_model(world, **kw):
     cfg = Qwen2Config(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
     model = Qwen2ForCausalLM(cfg)
-    parallelize(model, ParallelDims(world), param_dtype=torch.float32, **kw)
+    kw.setdefault("param_dtype", torch.float32)
+    parallelize(model, ParallelDims(world), **kw)
     return model
 
 
@@ -121,6 +122,26 @@ def test_fsdp_gradients_through_shared_memory_equal_gloo():
         assert served > 0 and none == 0  # a silent fallback to gloo would pass the comparison
         for name in g_gloo:
             assert g_shm[name] == g_gloo[name], name
+
+
+def _units(rank, world, dtype):
+    from torch.distributed.tensor import DTensor
+
+    from RL2.parallel.fsdp import fsdp_units
+
+    model = _sharded_model(world, param_dtype=dtype)
+    return len(fsdp_units(model)), any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def test_one_cpu_rank_in_its_compute_dtype_skips_fsdp():
+    """FSDP on a one-rank CPU mesh only copies (every parameter before the forward, every
+    gradient twice after the backward): such a model stays plain. A second rank, or a compute
+    dtype other than the parameters' (FSDP's mixed-precision cast), keeps FSDP's 3 units. The
+    numbers are the same either way: the parallel == serial tests compare one-process runs
+    (plain) with multi-process ones (FSDP)."""
+    assert run_dist(_units, 1, torch.float32) == [(0, False)]
+    assert run_dist(_units, 1, torch.bfloat16) == [(3, True)]
+    assert run_dist(_units, 2, torch.float32) == [(3, True), (3, True)]
 
 
 def _frozen_gathers(rank, world, reshard_after_forward):

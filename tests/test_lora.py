@@ -17,6 +17,13 @@ LORA = ["actor.lora.rank=4", "actor.lora.alpha=8"]
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
+def _full(t):
+    """The whole tensor: FSDP's DTensor gathered, or a one-rank plain parameter as it is."""
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
 def _worker_vs_peft(rank, world, model_dir, data_dir):
     from omegaconf import OmegaConf
     from peft import LoraConfig, get_peft_model
@@ -39,14 +46,14 @@ def _worker_vs_peft(rank, world, model_dir, data_dir):
     with torch.no_grad():  # B starts at 0 (the adapter is a no-op): make it count
         for n, p in actor.model.named_parameters():
             if ".lora_B." in n:
-                p._local_tensor.copy_(0.1 * torch.randn(p.shape, generator=gen))
+                p.copy_(0.1 * torch.randn(p.shape, generator=gen))  # one rank: a plain parameter
     tok = AutoTokenizer.from_pretrained(model_dir)
     rows = load_rows(f"{data_dir}/sft_train.jsonl")
     samples = [tokenize_sft(rows[i], tok, max_length=64, row_index=i, source="t") for i in range(6)]
     (mb,) = actor.plan(samples)
     logps = actor.forward(mb)["logps"]
     (-(logps * mb.data["action_mask"]).sum()).backward()
-    grads = {n: p.grad.full_tensor() for n, p in actor.model.named_parameters() if p.grad is not None}
+    grads = {n: p.grad for n, p in actor.model.named_parameters() if p.grad is not None}
     state = full_state_dict(actor.model)
 
     ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")
@@ -101,14 +108,14 @@ def _bf16_base_sft(rank, world, model_dir, data_dir):
     assert {params[n].dtype for n in trainable} == {torch.float32}  # the master dtype
     in_opt = {id(p) for g in actor.optimizer.param_groups for p in g["params"]}
     assert in_opt == {id(params[n]) for n in trainable}
-    before = {n: p.detach().full_tensor().clone() for n, p in params.items()}
+    before = {n: _full(p.detach()).clone() for n, p in params.items()}
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     rows = load_rows(f"{data_dir}/sft_train.jsonl")
     samples = [tokenize_sft(rows[i], tok, max_length=64, row_index=i, source="t") for i in range(16)]
     losses = [sft_update(actor, samples)["loss"] for _ in range(3)]  # the same batch each step
     assert all(math.isfinite(v) for v in losses) and losses[-1] < losses[0], losses
-    after = {n: p.detach().full_tensor() for n, p in params.items()}
+    after = {n: _full(p.detach()) for n, p in params.items()}
     assert all(after[n].dtype == torch.bfloat16 and torch.equal(after[n], before[n]) for n in frozen)
     assert all(not torch.equal(after[n], before[n]) for n in trainable if ".lora_B." in n)
     return losses
@@ -194,7 +201,9 @@ def _adapter_sync(rank, world, model_dir, out_dir):
     with torch.no_grad():
         for n, p in actor.model.named_parameters():
             if ".lora_B." in n:
-                p.copy_(distribute_tensor(0.1 * torch.randn(p.shape, generator=gen), p.device_mesh, p.placements))
+                full = 0.1 * torch.randn(p.shape, generator=gen)
+                p.copy_(distribute_tensor(full, p.device_mesh, p.placements)
+                        if hasattr(p, "device_mesh") else full)  # one rank: a plain parameter
     sink = AdapterSink(out_dir) if rank == 0 else None
     sync = WeightSync(actor.model, adapter_only=True)
     metrics = sync(sink)
@@ -431,10 +440,10 @@ def _critic_lora_updates(rank, world, model_dir):
     assert trainable - head and all(".lora_A." in n or ".lora_B." in n for n in trainable - head)
     in_opt = {id(p) for g in critic.optimizer.param_groups for p in g["params"]}
     assert in_opt == {id(params[n]) for n in trainable}
-    before = {n: p.detach().full_tensor().clone() for n, p in params.items()}
+    before = {n: _full(p.detach()).clone() for n, p in params.items()}
     samples = fixed_batch(critic.config.vocab_size)
     losses = [critic_update(critic, samples, cfg.critic, seed=1)["value_loss"] for _ in range(3)]
-    after = {n: p.detach().full_tensor() for n, p in params.items()}
+    after = {n: _full(p.detach()) for n, p in params.items()}
     assert all(torch.equal(after[n], before[n]) for n in frozen)
     assert all(not torch.equal(after[n], before[n]) for n in head | {n for n in trainable if ".lora_B." in n})
     return losses

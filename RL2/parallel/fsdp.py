@@ -50,6 +50,18 @@ def resolve_reshard(value, device_type: str) -> bool:
     return value
 
 
+def whole_on_one_rank(model: nn.Module, dims: ParallelDims, param_dtype: torch.dtype) -> bool:
+    """True when FSDP would have nothing to do: one CPU rank holds every parameter (no data or
+    tensor parallel peers) already in the compute dtype (no mixed-precision cast). FSDP2 on a
+    one-rank mesh still copies every parameter into a fresh buffer before each forward and every
+    gradient twice after each backward (torch 2.13, `FSDPParamGroup.wait_for_unshard` and
+    `foreach_reduce`'s world-size-1 branch), and its DTensor parameters send the optimizer
+    through DTensor dispatch: ~10% of a one-process CPU training step (benchmarks/README.md,
+    fix 30). GPUs keep FSDP (its bf16 cast; not measured here)."""
+    return (dims.device_type == "cpu" and dims.ddp * dims.fsdp * dims.tp == 1
+            and all(p.dtype == param_dtype for p in model.parameters()))
+
+
 def apply_fsdp(model: nn.Module, dims: ParallelDims, param_dtype: torch.dtype,
                offload_params: bool = False, reshard_after_forward: bool = True,
                cpu_comm: str = "shm"):
@@ -64,6 +76,9 @@ def apply_fsdp(model: nn.Module, dims: ParallelDims, param_dtype: torch.dtype,
     4. on the CPU with cpu_comm="shm", the units' all-gathers and reduce-scatters go through
        shared memory when the ranks share a host (RL2/parallel/host_comm.py), not gloo's TCP.
     """
+    if whole_on_one_rank(model, dims, param_dtype):
+        logger.info("Applied FSDP: skipped, one CPU rank holds the whole model in its compute dtype")
+        return
     reduce_dtype = torch.float64 if param_dtype == torch.float64 else torch.float32
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     kw = dict(mesh=dims.fsdp_mesh, mp_policy=mp)

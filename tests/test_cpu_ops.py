@@ -159,3 +159,110 @@ def test_switching_leaves_the_global_generator_and_rejects_what_it_cannot_take()
     (dx,) = torch.autograd.grad(cpu_ops.rms_norm(x, norm.weight, 1e-6).pow(2).sum(), x, create_graph=True)
     with pytest.raises(RuntimeError, match="once_differentiable|does not require grad"):
         dx.sum().backward()
+
+
+def _sdpa(q, k, v, bounds, scale):
+    """The reference: SDPA per sequence, (1, T, H, D)."""
+    return torch.cat([F.scaled_dot_product_attention(
+        q[:, :, s:e], k[:, :, s:e], v[:, :, s:e], is_causal=True, scale=scale,
+        enable_gqa=q.shape[1] != k.shape[1]) for s, e in zip(bounds, bounds[1:])], 2).transpose(1, 2)
+
+
+@needs_kernel
+@pytest.mark.parametrize("heads,kv_heads,d,lengths", [
+    (8, 4, 64, [600, 250, 100, 50, 20]),  # the benchmark's SFT step (bench_vs_trl)
+    (9, 3, 64, [1, 13, 33, 100, 37]),  # SmolLM2's heads; a one-token sequence; panel tails
+    (4, 4, 128, [77, 12]),  # head_dim 128, no GQA
+    (6, 1, 64, [45])])  # every query head on one KV head
+def test_attention_and_its_gradients_match_sdpa(heads, kv_heads, d, lengths):
+    """Values and the gradients of q, k and v against float64 SDPA per sequence, from q, k, v
+    laid out as HF's projections leave them ((1, T, H, D) viewed as (1, H, T, D)): within fp32
+    rounding, i.e. no further from the float64 result than fp32 SDPA is (x 1.5)."""
+    g = torch.Generator().manual_seed(heads)
+    bounds = [0]
+    for n in lengths:
+        bounds.append(bounds[-1] + n)
+    t = bounds[-1]
+    q, k, v = ((torch.randn(1, t, n, d, generator=g) * 2).transpose(1, 2).requires_grad_()
+               for n in (heads, kv_heads, kv_heads))
+    grad = torch.randn(1, t, heads, d, generator=g)
+    scale = 1.3 * d ** -0.5
+    results = []
+    for dtype in (torch.float64, torch.float32, None):  # None: the kernel
+        leaves = [x.detach().to(dtype or torch.float32).requires_grad_() for x in (q, k, v)]
+        out = (_sdpa(*leaves, bounds, scale) if dtype else
+               cpu_ops.causal_attention(*leaves, bounds, scale))
+        out.backward(grad.to(out.dtype))
+        results.append([out.double()] + [x.grad.double() for x in leaves])
+        if dtype is None:
+            assert out.shape == (1, t, heads, d) and out.is_contiguous()
+    for exact, sdpa32, kernel in zip(*results):
+        assert (kernel - exact).abs().max() <= 1.5 * (sdpa32 - exact).abs().max() + 1e-6
+
+
+def _attention_model(seed: int = 0) -> Qwen2ForCausalLM:
+    """Head dim 64 (the kernel's), 4 query heads on 2 KV heads, RL2's packed attention."""
+    from RL2.parallel.attention import register
+
+    torch.manual_seed(seed)
+    cfg = Qwen2Config(vocab_size=300, hidden_size=256, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2)
+    return Qwen2ForCausalLM._from_config(cfg, attn_implementation=register())
+
+
+@needs_kernel
+def test_a_models_packed_attention_goes_through_the_kernel(monkeypatch):
+    """use_attention marks the attention modules; a packed forward then runs each layer's
+    attention in the kernel (counted), with the logits and every gradient of the SDPA path."""
+    from RL2.parallel.attention import PackedContext, packed_kwargs
+
+    ref, model = _attention_model(), _attention_model()
+    assert cpu_ops.use_attention(model) == 2 and cpu_ops.use_attention(torch.nn.Linear(2, 2)) == 0
+    calls = []
+    apply = cpu_ops.CausalAttentionFunction.apply
+    monkeypatch.setattr(cpu_ops.CausalAttentionFunction, "apply", lambda *a: calls.append(1) or apply(*a))
+    bounds = [0, 30, 31, 70]
+    ids = torch.randint(0, 300, (1, 70), generator=torch.Generator().manual_seed(1))
+    pos = torch.cat([torch.arange(e - s) for s, e in zip(bounds, bounds[1:])])[None]
+    outs = []
+    for m in (ref, model):
+        ctx = PackedContext(torch.tensor(bounds, dtype=torch.int32), 40)
+        out = m(input_ids=ids, position_ids=pos, use_cache=False, **packed_kwargs(ctx)).logits
+        out.pow(2).mean().backward()
+        outs.append(out.detach())
+    assert len(calls) == 2  # the marked model's two layers; the reference ran SDPA
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)
+    for (name, a), b in zip(ref.named_parameters(), model.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+@needs_kernel
+def test_attention_refuses_what_the_kernel_cannot_take():
+    q, k = torch.randn(1, 4, 10, 64), torch.randn(1, 2, 10, 64)
+    for bad in [lambda: cpu_ops.causal_attention(q[..., :32], k[..., :32], k[..., :32], [0, 10], 0.1),
+                lambda: cpu_ops.causal_attention(q.double(), k.double(), k.double(), [0, 10], 0.1),
+                lambda: cpu_ops.causal_attention(q[:, :3], k, k, [0, 10], 0.1),  # 3 heads on 2
+                lambda: cpu_ops.causal_attention(q, k, k, [0, 9], 0.1),  # not the whole row
+                lambda: cpu_ops.causal_attention(q, k, k, [0, 6, 4, 10], 0.1)]:
+        with pytest.raises(ValueError):
+            bad()
+
+
+@needs_kernel
+def test_sft_with_head_dim_64_matches_sdpa_attention(assets, tmp_path):
+    """The conftest model's heads are 8 wide (SDPA); with 64-wide heads the run's attention goes
+    through the kernel, and its losses and gradient norms match a run with the option off."""
+    from RL2.tools.make_assets import build_tiny_model
+
+    model = str(tmp_path / "model")
+    build_tiny_model(model, assets["tokenizer"], "qwen2", hidden=128, layers=2, heads=2, kv_heads=1,
+                     intermediate=64)
+    runs = {}
+    for fused in ("true", "false"):
+        d = tmp_path / fused
+        run = run_trainer("sft", 1, sft_args(assets, "actor.dtype=float32", f"actor.model_name={model}",
+                                             f"actor.cpu_fused_ops={fused}"), d)
+        runs[fused] = d
+        assert ("and 2 attentions through" in run.stderr) == (fused == "true")
+    for key in ("train/loss", "train/grad_norm", "test/loss"):
+        assert_close(train_rows(runs["true"], key), train_rows(runs["false"], key), 1e-5, key)

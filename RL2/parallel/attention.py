@@ -6,8 +6,8 @@ HF forwards unknown model kwargs (TransformersKwargs) from `model(...)` through 
 into the attention function, so the per-batch `PackedContext` travels with the call and no global
 state is needed. The registered mask function returns None for the plain causal case, so HF never
 builds a T x T mask; the attention function then runs causal attention inside every packed
-sequence (CPU: SDPA per sequence; CUDA fp16/bf16: flash-attn varlen if installed; with an sp group:
-zig-zag ring attention). Without a context (generate, padded batches) it behaves like HF "sdpa".
+sequence (CPU: SDPA per sequence, or RL2's C kernel for modules `cpu_ops.use_attention` marked;
+CUDA fp16/bf16: flash-attn varlen if installed; with an sp group: zig-zag ring attention). Without a context (generate, padded batches) it behaves like HF "sdpa".
 """
 from __future__ import annotations
 
@@ -158,6 +158,11 @@ def packed_attention_forward(
         out = flash(q, k, v, cu, cu, ctx.max_seqlen, ctx.max_seqlen, dropout_p=dropout,
                     softmax_scale=scaling, causal=True)
         return out[None], None
+    if getattr(module, "rl2_fused_attention", False) and not dropout:
+        from RL2.utils import cpu_ops  # actor.cpu_fused_ops marked the module (fp32 CPU, C kernel)
+
+        if cpu_ops.attention_takes(query, key, value):
+            return cpu_ops.causal_attention(query, key, value, ctx.bounds, scaling), None
     return _causal_per_sequence(query, key, value, ctx.bounds, scaling, dropout), None
 
 

@@ -1,4 +1,5 @@
-"""Training RMSNorms and SiLU(gate) * up on the CPU through RL2's C kernel (small_gemm.c).
+"""Training RMSNorms, SiLU(gate) * up and packed causal attention on the CPU through RL2's C
+kernel (small_gemm.c).
 
 Why: HF's RMSNorm module is ~6 PyTorch ops forward and, through autograd, ~12 backward, most of
 them a pass over the rows; on the 25.7M benchmark model (1020 tokens, 2 threads) one norm took
@@ -6,13 +7,18 @@ them a pass over the rows; on the 25.7M benchmark model (1020 tokens, 2 threads)
 SiLU(gate) * up is likewise 2 ops forward and 4 backward over the widest activations (~5%).
 Here each is one pass forward and one (the MLP) or two (the norm) backward, within fp32
 rounding of HF's modules (the norm's mean sums in another order; exp is the kernel's).
+Attention: ATen's CPU flash-attention kernel splits keys in blocks of 512, so causal sequences
+under ~1000 tokens cost it a full square, forward and backward (~14% of that SFT step); the
+kernel's blocked causal attention skips the upper triangle (fix 31 in benchmarks/README.md).
 fp32 CPU tensors only: anything else (bf16, fp64, DTensor activations of tensor or sequence
-parallelism, CUDA) runs the module's own forward. `use_for_model` switches a model's modules,
-each class after a check against its own forward.
+parallelism, CUDA) runs the module's own forward or SDPA. `use_for_model` switches a model's
+norms and MLPs, each class after a check against its own forward; `use_attention` marks its
+attention modules for RL2's packed attention after a check against SDPA.
 """
 from __future__ import annotations
 
 import types
+from functools import lru_cache
 
 import torch
 
@@ -193,3 +199,131 @@ def use_for_model(model: torch.nn.Module) -> tuple[int, int]:
             module.forward = types.MethodType(forward, module)
             counts[kind] += 1
     return counts[0], counts[1]
+
+
+# ----- attention -----
+def _attention_items(bounds: list[int], heads: int) -> torch.Tensor:
+    """The kernel's work items (query head, sequence), longest sequences first: the dynamic
+    schedule then ends on short items, whichever thread takes them."""
+    n = len(bounds) - 1
+    order = sorted(range(n), key=lambda s: bounds[s] - bounds[s + 1])
+    return torch.tensor([h * n + s for s in order for h in range(heads)], dtype=torch.int64)
+
+
+def _panel_floats(bounds: list[int], d: int) -> int:
+    """Floats of one sequence's packed keys: the longest, rounded up to the kernel's 32-key panels."""
+    longest = max(b - a for a, b in zip(bounds, bounds[1:]))
+    return -(-longest // 32) * 32 * d
+
+
+def _heads_view(t: torch.Tensor) -> torch.Tensor:
+    """(1, heads, T, D) -> (heads, T, D), with d contiguous (HF's projections are viewed so)."""
+    t = t[0]
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+class CausalAttentionFunction(torch.autograd.Function):
+    """softmax(scale q k^T) v, causal inside each [start, end) of `bounds`, in the kernel
+    (rl2_attn_fwd / rl2_attn_bwd); q (1, H, T, D), k and v (1, KH, T, D) -> (1, T, H, D)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, bounds, scale):
+        lib = small_gemm.load()[0]
+        q3, k3, v3 = (_heads_view(t.detach()) for t in (q, k, v))
+        if k3.stride() != v3.stride():  # the kernel reads both with one set of strides
+            k3, v3 = k3.contiguous(), v3.contiguous()
+        (heads, T, D), kv_heads = q3.shape, k3.shape[0]
+        b, items = torch.tensor(bounds, dtype=torch.int64), _attention_items(bounds, heads)
+        out, lse = q3.new_empty(T, heads, D), q3.new_empty(heads, T)
+        threads, cap = torch.get_num_threads(), _panel_floats(bounds, D)
+        scratch = q3.new_empty(threads * cap)
+        lib.rl2_attn_fwd(q3.data_ptr(), q3.stride(0), q3.stride(1), k3.data_ptr(), v3.data_ptr(),
+                         k3.stride(0), k3.stride(1), heads, kv_heads, D, T, b.data_ptr(),
+                         items.data_ptr(), items.numel(), float(scale), scratch.data_ptr(), cap,
+                         out.data_ptr(), lse.data_ptr(), threads)
+        ctx.save_for_backward(q3, k3, v3, out, lse, b, items)
+        ctx.scale, ctx.cap = float(scale), cap
+        return out[None]
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad: torch.Tensor):
+        q3, k3, v3, out, lse, b, items = ctx.saved_tensors
+        lib = small_gemm.load()[0]
+        (heads, T, D), kv_heads = q3.shape, k3.shape[0]
+        groups, threads = heads // kv_heads, torch.get_num_threads()
+        dout = grad[0].contiguous()
+        dq = torch.empty_like(out)
+        dk_part, dv_part = (q3.new_empty(groups, T, kv_heads, D) for _ in range(2))
+        scratch = q3.new_empty(threads * 4 * ctx.cap)
+        lib.rl2_attn_bwd(q3.data_ptr(), q3.stride(0), q3.stride(1), k3.data_ptr(), v3.data_ptr(),
+                         k3.stride(0), k3.stride(1), out.data_ptr(), dout.data_ptr(), lse.data_ptr(),
+                         heads, kv_heads, D, T, b.data_ptr(), items.data_ptr(), items.numel(),
+                         ctx.scale, scratch.data_ptr(), ctx.cap, dq.data_ptr(), dk_part.data_ptr(),
+                         dv_part.data_ptr(), threads)
+        if groups == 1:
+            dk, dv = dk_part[0], dv_part[0]
+        else:  # each query head of a group added its share: sum them in head order
+            dk, dv = (q3.new_empty(T, kv_heads, D) for _ in range(2))
+            for part, dst in ((dk_part, dk), (dv_part, dv)):
+                lib.rl2_attn_sum(part.data_ptr(), groups, dst.numel(), dst.data_ptr(), threads)
+        return (dq.transpose(0, 1)[None], dk.transpose(0, 1)[None], dv.transpose(0, 1)[None],
+                None, None)
+
+
+def attention_takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """fp32 CPU (1, H, T, D) / (1, KH, T, D) tensors with D 64 or 128 and H a multiple of KH."""
+    return (_plain(q, k, v) and q.dim() == 4 and q.shape[0] == 1 and k.shape == v.shape
+            and k.dim() == 4 and k.shape[0] == 1 and k.shape[2] == q.shape[2]
+            and q.shape[3] == k.shape[3] in (64, 128) and k.shape[1] > 0
+            and q.shape[1] % k.shape[1] == 0 and q.shape[2] > 0 and small_gemm.available())
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: list[int],
+                     scale: float) -> torch.Tensor:
+    """Causal attention inside each [bounds[i], bounds[i + 1]) of a packed row through the
+    kernel (`attention_takes` tensors); returns (1, T, H, D) as HF's attention functions do."""
+    if not attention_takes(q, k, v):
+        raise ValueError(f"causal_attention: fp32 CPU q (1, H, T, D) and k, v (1, KH, T, D), D 64 "
+                         f"or 128, H a multiple of KH, and the kernel (got {q.dtype} "
+                         f"{tuple(q.shape)}, {k.dtype} {tuple(k.shape)}, {tuple(v.shape)})")
+    if bounds[0] != 0 or bounds[-1] != q.shape[2] or any(a > b for a, b in zip(bounds, bounds[1:])):
+        raise ValueError(f"causal_attention: bounds must rise from 0 to {q.shape[2]}, got {bounds}")
+    return CausalAttentionFunction.apply(q, k, v, list(bounds), scale)
+
+
+@lru_cache(maxsize=None)
+def _attention_agrees() -> bool:
+    """The kernel against SDPA once per process: values and gradients, GQA, both head sizes."""
+    import torch.nn.functional as F
+
+    g = torch.Generator().manual_seed(0)
+    for heads, kv_heads, d, bounds in ((4, 2, 64, [0, 1, 20, 57]), (2, 2, 128, [0, 40])):
+        t = bounds[-1]
+        q, k, v = (torch.randn(1, n, t, d, generator=g) for n in (heads, kv_heads, kv_heads))
+
+        def sdpa(q, k, v):
+            return torch.cat([F.scaled_dot_product_attention(
+                q[:, :, s:e], k[:, :, s:e], v[:, :, s:e], is_causal=True, scale=0.1,
+                enable_gqa=heads != kv_heads) for s, e in zip(bounds, bounds[1:])], 2).transpose(1, 2)
+
+        if not _agrees(sdpa, lambda q, k, v: causal_attention(q, k, v, bounds, 0.1), [q, k, v], []):
+            return False
+    return True
+
+
+def use_attention(model: torch.nn.Module) -> int:
+    """Let RL2's packed attention (RL2/parallel/attention.py) run the causal attention of
+    `model`'s attention modules through the kernel (marked `rl2_fused_attention`; inputs the
+    kernel does not take still go to SDPA). After one check against SDPA. Returns how many."""
+    if not small_gemm.available():
+        return 0
+    with torch.random.fork_rng(devices=[]):
+        if not _attention_agrees():
+            return 0
+    n = 0
+    for module in model.modules():
+        if all(hasattr(module, a) for a in ("is_causal", "head_dim", "num_key_value_groups")):
+            module.rl2_fused_attention = True
+            n += 1
+    return n

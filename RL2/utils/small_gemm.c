@@ -475,3 +475,275 @@ void rl2_glu_bwd(const float* g, const float* u, const float* dh, int64_t n, flo
     _mm512_mask_storeu_ps(dg + i, k, _mm512_mul_ps(_mm512_mul_ps(d, uv), ds));
   }
 }
+
+/* Training attention: causal softmax attention inside each sequence of a packed row, forward
+ * and backward, fp32, head_dim 64 or 128 (flash-attention's blocked formulation: no L x L score
+ * matrix). Per sequence and query head, blocks of QB query rows meet panels of 32 keys: the
+ * scores come from the same register tile as rl2_small_gemm's (12 rows x 2 strips, the keys
+ * repacked as D x 32 panels), the softmax runs online over the panels, and panels past the
+ * block's last row are skipped (ATen's CPU kernel splits keys in 512s, so a sequence under ~1000
+ * tokens does the work of a full square; benchmarks/README.md, fix 31). Scores are taken as
+ * (scale * q) . k. Layouts: q (h, t, d) at h * q_sh + t * q_st + d, k and v likewise with KH
+ * heads (query head h reads KV head h / (H / KH)); out, dq: (t, h, d) contiguous; lse: (h, t);
+ * dk, dv: (t, kh, d) contiguous. Work items are (query head, sequence) pairs, handed out
+ * dynamically in the caller's order (longest first). scratch: per thread, the packed keys (and,
+ * backward, values and the dK / dV sums) of one sequence, `cap` floats each (the longest
+ * sequence rounded up to 32 keys, times D). */
+#define QB 12
+#define KP 32
+
+/* S[r][0:32] = Qb[r] . panel columns, r < 12; Qb: 12 x D (rows past the block are zeros) */
+#define TILE(NAME, D)                                                                            \
+  static void NAME(const float* Qb, const float* Pn, float* S) {                                 \
+    __m512 a0[QB], a1[QB];                                                                       \
+    for (int r = 0; r < QB; r++) a0[r] = a1[r] = _mm512_setzero_ps();                             \
+    for (int d = 0; d < D; d++) {                                                                \
+      __m512 u = _mm512_loadu_ps(Pn + d * KP), v = _mm512_loadu_ps(Pn + d * KP + 16);            \
+      for (int r = 0; r < QB; r++) {                                                             \
+        __m512 s = _mm512_set1_ps(Qb[r * D + d]);                                                \
+        a0[r] = _mm512_fmadd_ps(s, u, a0[r]);                                                    \
+        a1[r] = _mm512_fmadd_ps(s, v, a1[r]);                                                    \
+      }                                                                                          \
+    }                                                                                            \
+    for (int r = 0; r < QB; r++) {                                                               \
+      _mm512_storeu_ps(S + r * KP, a0[r]);                                                       \
+      _mm512_storeu_ps(S + r * KP + 16, a1[r]);                                                  \
+    }                                                                                            \
+  }
+TILE(tile_64, 64)
+TILE(tile_128, 128)
+
+/* The keys [j0, j0 + n) of one KV head as a D x 32 panel (columns past n zero) */
+static void pack_panel(const float* k, int64_t st, int64_t j0, int64_t n, int64_t D, float* Pn) {
+  for (int64_t d = 0; d < D; d++)
+    for (int64_t c = 0; c < KP; c++) Pn[d * KP + c] = c < n ? k[(j0 + c) * st + d] : 0.0f;
+}
+
+/* acc[c] (rows of D, stride D) += sum over r < R of W[r][c] * X[r] for c < n (rounded up to
+ * whole groups: W's columns past n are zeros and acc has room): 16 / CH columns of acc in
+ * registers at a time, X's rows read once per group. CH = D / 16, a constant. */
+#define ACCUMULATE(NAME, CH)                                                                     \
+  static void NAME(const float* W, const float* X, int64_t R, int64_t n, float* acc) {           \
+    enum { G = 16 / CH, D = 16 * CH };                                                           \
+    for (int64_t c0 = 0; c0 < n; c0 += G) {                                                      \
+      __m512 a[G][CH];                                                                           \
+      for (int i = 0; i < G; i++)                                                                \
+        for (int x = 0; x < CH; x++) a[i][x] = _mm512_loadu_ps(acc + (c0 + i) * D + 16 * x);     \
+      for (int64_t r = 0; r < R; r++) {                                                          \
+        __m512 xr[CH];                                                                           \
+        for (int x = 0; x < CH; x++) xr[x] = _mm512_loadu_ps(X + r * D + 16 * x);                \
+        for (int i = 0; i < G; i++) {                                                            \
+          __m512 w = _mm512_set1_ps(W[r * KP + c0 + i]);                                         \
+          for (int x = 0; x < CH; x++) a[i][x] = _mm512_fmadd_ps(w, xr[x], a[i][x]);             \
+        }                                                                                        \
+      }                                                                                          \
+      for (int i = 0; i < G; i++)                                                                \
+        for (int x = 0; x < CH; x++) _mm512_storeu_ps(acc + (c0 + i) * D + 16 * x, a[i][x]);     \
+    }                                                                                            \
+  }
+ACCUMULATE(accumulate_64, 4)
+ACCUMULATE(accumulate_128, 8)
+
+/* out[r] (rows of D, stride D) += sum over c < n of W[r][c] * Y[c] (Y's rows at stride ldy),
+ * r < R rounded up to whole groups (W's rows past R are zeros, out has 12 rows): 16 / CH rows
+ * of out in registers at a time */
+#define COMBINE(NAME, CH)                                                                        \
+  static void NAME(const float* W, const float* Y, int64_t ldy, int64_t R, int64_t n,            \
+                   float* out) {                                                                 \
+    enum { G = 16 / CH, D = 16 * CH };                                                           \
+    for (int64_t r0 = 0; r0 < R; r0 += G) {                                                      \
+      __m512 a[G][CH];                                                                           \
+      for (int i = 0; i < G; i++)                                                                \
+        for (int x = 0; x < CH; x++) a[i][x] = _mm512_loadu_ps(out + (r0 + i) * D + 16 * x);     \
+      for (int64_t c = 0; c < n; c++) {                                                          \
+        __m512 y[CH];                                                                            \
+        for (int x = 0; x < CH; x++) y[x] = _mm512_loadu_ps(Y + c * ldy + 16 * x);               \
+        for (int i = 0; i < G; i++) {                                                            \
+          __m512 w = _mm512_set1_ps(W[(r0 + i) * KP + c]);                                       \
+          for (int x = 0; x < CH; x++) a[i][x] = _mm512_fmadd_ps(w, y[x], a[i][x]);              \
+        }                                                                                        \
+      }                                                                                          \
+      for (int i = 0; i < G; i++)                                                                \
+        for (int x = 0; x < CH; x++) _mm512_storeu_ps(out + (r0 + i) * D + 16 * x, a[i][x]);     \
+    }                                                                                            \
+  }
+COMBINE(combine_64, 4)
+COMBINE(combine_128, 8)
+
+/* Query rows [i0, i0 + R) of one head into Qb (12 x D, zero rows after R), times `mul` */
+static void load_rows(const float* q, int64_t st, int64_t i0, int64_t R, int64_t D, float mul,
+                      float* Qb) {
+  for (int64_t r = 0; r < QB; r++)
+    for (int64_t d = 0; d < D; d++) Qb[r * D + d] = r < R ? q[(i0 + r) * st + d] * mul : 0.0f;
+}
+
+typedef void (*tile_fn)(const float*, const float*, float*);
+typedef void (*acc_fn)(const float*, const float*, int64_t, int64_t, float*);
+typedef void (*comb_fn)(const float*, const float*, int64_t, int64_t, int64_t, float*);
+
+void rl2_attn_fwd(const float* q, int64_t q_sh, int64_t q_st, const float* k, const float* v,
+                  int64_t kv_sh, int64_t kv_st, int64_t H, int64_t KH, int64_t D, int64_t T,
+                  const int64_t* bounds, const int64_t* items, int64_t n_items, float scale,
+                  float* scratch, int64_t cap, float* out, float* lse, int threads) {
+  tile_fn tile = D == 64 ? tile_64 : tile_128;
+  comb_fn combine = D == 64 ? combine_64 : combine_128;
+  int64_t n_seq = n_items / H, G = H / KH;
+#pragma omp parallel num_threads(threads)
+  {
+    float Qb[QB * 128], Ob[QB * 128], S[QB * KP], m[QB], l[QB];
+    float* panels = scratch + (int64_t)omp_get_thread_num() * cap;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t it = 0; it < n_items; it++) {
+      int64_t h = items[it] / n_seq, sq = items[it] % n_seq, kh = h / G;
+      int64_t s = bounds[sq], L = bounds[sq + 1] - s, np = (L + KP - 1) / KP;
+      if (L <= 0) continue;
+      const float *kb = k + kh * kv_sh + s * kv_st, *vb = v + kh * kv_sh + s * kv_st;
+      for (int64_t p = 0; p < np; p++)
+        pack_panel(kb, kv_st, p * KP, L - p * KP < KP ? L - p * KP : KP, D, panels + p * KP * D);
+      for (int64_t i0 = 0; i0 < L; i0 += QB) {
+        int64_t R = L - i0 < QB ? L - i0 : QB;
+        load_rows(q + h * q_sh + s * q_st, q_st, i0, R, D, scale, Qb);
+        for (int64_t r = 0; r < QB; r++) { m[r] = -INFINITY; l[r] = 0.0f; }
+        for (int64_t x = 0; x < QB * D; x++) Ob[x] = 0.0f;
+        int64_t last = i0 + R - 1; /* the block's last row: keys up to it */
+        for (int64_t p = 0; p * KP <= last; p++) {
+          int64_t j0 = p * KP, n = last + 1 - j0 < KP ? last + 1 - j0 : KP;
+          tile(Qb, panels + p * KP * D, S);
+          for (int64_t r = 0; r < R; r++) {
+            float* sr = S + r * KP;
+            int64_t lim = i0 + r - j0 + 1; /* keys of this row in the panel: c < lim */
+            lim = lim < n ? lim : n;
+            __mmask16 k0 = lim <= 0 ? 0 : tail16(lim), k1 = lim <= 16 ? 0 : tail16(lim - 16);
+            __m512 s0 = _mm512_mask_blend_ps(k0, _mm512_set1_ps(-INFINITY), _mm512_loadu_ps(sr));
+            __m512 s1 = _mm512_mask_blend_ps(k1, _mm512_set1_ps(-INFINITY), _mm512_loadu_ps(sr + 16));
+            float mx = _mm512_reduce_max_ps(_mm512_max_ps(s0, s1));
+            float mn = mx > m[r] ? mx : m[r];
+            if (mn == -INFINITY) { /* no key yet (never: key 0 is always seen first) */
+              _mm512_storeu_ps(sr, _mm512_setzero_ps());
+              _mm512_storeu_ps(sr + 16, _mm512_setzero_ps());
+              continue;
+            }
+            float alpha = m[r] == -INFINITY ? 0.0f : expf(m[r] - mn);
+            __m512 top = _mm512_set1_ps(mn);
+            __m512 e0 = _mm512_maskz_mov_ps(k0, exp16(_mm512_sub_ps(s0, top)));
+            __m512 e1 = _mm512_maskz_mov_ps(k1, exp16(_mm512_sub_ps(s1, top)));
+            l[r] = l[r] * alpha + _mm512_reduce_add_ps(_mm512_add_ps(e0, e1));
+            m[r] = mn;
+            _mm512_storeu_ps(sr, e0);
+            _mm512_storeu_ps(sr + 16, e1);
+            if (alpha != 1.0f) {
+              __m512 a = _mm512_set1_ps(alpha);
+              for (int64_t x = 0; x < D; x += 16)
+                _mm512_storeu_ps(Ob + r * D + x, _mm512_mul_ps(a, _mm512_loadu_ps(Ob + r * D + x)));
+            }
+          }
+          /* Ob[r] += sum_c P[r][c] V[j0 + c] */
+          combine(S, vb + j0 * kv_st, kv_st, R, n, Ob);
+        }
+        for (int64_t r = 0; r < R; r++) {
+          float inv = 1.0f / l[r];
+          float* o = out + ((s + i0 + r) * H + h) * D;
+          for (int64_t x = 0; x < D; x++) o[x] = Ob[r * D + x] * inv;
+          lse[h * T + s + i0 + r] = m[r] + logf(l[r]);
+        }
+      }
+    }
+  }
+}
+
+/* Backward, given the forward's out and lse (flash-attention 2's recomputation): per block of
+ * query rows and panel of keys, P = exp(S - lse), dP = dO V^T, dS = P (dP - delta) with delta =
+ * rowsum(dO * O); then dV += P^T dO, dK += dS^T (scale q), dQ += dS K * scale. dk_part, dv_part:
+ * G x T x KH x D each: query head h's share of its KV head's gradients in slot h % G (no two
+ * work items write the same rows), summed over the slots in order by rl2_attn_sum. */
+void rl2_attn_bwd(const float* q, int64_t q_sh, int64_t q_st, const float* k, const float* v,
+                  int64_t kv_sh, int64_t kv_st, const float* out, const float* dout,
+                  const float* lse, int64_t H, int64_t KH, int64_t D, int64_t T,
+                  const int64_t* bounds, const int64_t* items, int64_t n_items, float scale,
+                  float* scratch, int64_t cap, float* dq, float* dk_part, float* dv_part,
+                  int threads) {
+  tile_fn tile = D == 64 ? tile_64 : tile_128;
+  comb_fn combine = D == 64 ? combine_64 : combine_128;
+  acc_fn accumulate = D == 64 ? accumulate_64 : accumulate_128;
+  int64_t n_seq = n_items / H, G = H / KH;
+#pragma omp parallel num_threads(threads)
+  {
+    float Qb[QB * 128], dOb[QB * 128], dQb[QB * 128], S[QB * KP], dP[QB * KP], delta[QB], ls[QB];
+    float* kpan = scratch + (int64_t)omp_get_thread_num() * 4 * cap;
+    float *vpan = kpan + cap, *dK = kpan + 2 * cap, *dV = kpan + 3 * cap;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t it = 0; it < n_items; it++) {
+      int64_t h = items[it] / n_seq, sq = items[it] % n_seq, kh = h / G;
+      int64_t s = bounds[sq], L = bounds[sq + 1] - s, np = (L + KP - 1) / KP;
+      if (L <= 0) continue;
+      const float *kb = k + kh * kv_sh + s * kv_st, *vb = v + kh * kv_sh + s * kv_st;
+      for (int64_t p = 0; p < np; p++) {
+        int64_t n = L - p * KP < KP ? L - p * KP : KP;
+        pack_panel(kb, kv_st, p * KP, n, D, kpan + p * KP * D);
+        pack_panel(vb, kv_st, p * KP, n, D, vpan + p * KP * D);
+      }
+      for (int64_t x = 0; x < L * D; x++) dK[x] = dV[x] = 0.0f;
+      for (int64_t i0 = 0; i0 < L; i0 += QB) {
+        int64_t R = L - i0 < QB ? L - i0 : QB;
+        load_rows(q + h * q_sh + s * q_st, q_st, i0, R, D, scale, Qb);
+        for (int64_t r = 0; r < QB; r++)
+          for (int64_t x = 0; x < D; x++) {
+            dOb[r * D + x] = r < R ? dout[((s + i0 + r) * H + h) * D + x] : 0.0f;
+            dQb[r * D + x] = 0.0f;
+          }
+        for (int64_t r = 0; r < R; r++) {
+          const float* o = out + ((s + i0 + r) * H + h) * D;
+          __m512 acc = _mm512_setzero_ps();
+          for (int64_t x = 0; x < D; x += 16)
+            acc = _mm512_fmadd_ps(_mm512_loadu_ps(dOb + r * D + x), _mm512_loadu_ps(o + x), acc);
+          delta[r] = _mm512_reduce_add_ps(acc);
+          ls[r] = lse[h * T + s + i0 + r];
+        }
+        int64_t last = i0 + R - 1;
+        for (int64_t p = 0; p * KP <= last; p++) {
+          int64_t j0 = p * KP, n = last + 1 - j0 < KP ? last + 1 - j0 : KP;
+          tile(Qb, kpan + p * KP * D, S);
+          tile(dOb, vpan + p * KP * D, dP);
+          for (int64_t r = 0; r < QB; r++) {
+            float *sr = S + r * KP, *dr = dP + r * KP;
+            int64_t lim = r < R ? i0 + r - j0 + 1 : 0;
+            lim = lim < n ? lim : n;
+            __mmask16 k0 = lim <= 0 ? 0 : tail16(lim), k1 = lim <= 16 ? 0 : tail16(lim - 16);
+            __m512 top = _mm512_set1_ps(r < R ? ls[r] : 0.0f), dl = _mm512_set1_ps(r < R ? delta[r] : 0.0f);
+            __m512 p0 = _mm512_maskz_mov_ps(k0, exp16(_mm512_sub_ps(_mm512_loadu_ps(sr), top)));
+            __m512 p1 = _mm512_maskz_mov_ps(k1, exp16(_mm512_sub_ps(_mm512_loadu_ps(sr + 16), top)));
+            _mm512_storeu_ps(sr, p0);
+            _mm512_storeu_ps(sr + 16, p1);
+            _mm512_storeu_ps(dr, _mm512_mul_ps(p0, _mm512_sub_ps(_mm512_loadu_ps(dr), dl)));
+            _mm512_storeu_ps(dr + 16, _mm512_mul_ps(p1, _mm512_sub_ps(_mm512_loadu_ps(dr + 16), dl)));
+          }
+          accumulate(S, dOb, R, n, dV + j0 * D);  /* dV += P^T dO */
+          accumulate(dP, Qb, R, n, dK + j0 * D);  /* dK += dS^T (scale q) */
+          combine(dP, kb + j0 * kv_st, kv_st, R, n, dQb); /* dQ += dS K (scale after) */
+        }
+        for (int64_t r = 0; r < R; r++) {
+          float* o = dq + ((s + i0 + r) * H + h) * D;
+          for (int64_t x = 0; x < D; x++) o[x] = dQb[r * D + x] * scale;
+        }
+      }
+      float *pk = dk_part + ((h % G) * T + s) * KH * D + kh * D;
+      float *pv = dv_part + ((h % G) * T + s) * KH * D + kh * D;
+      for (int64_t t = 0; t < L; t++)
+        for (int64_t x = 0; x < D; x++) {
+          pk[t * KH * D + x] = dK[t * D + x];
+          pv[t * KH * D + x] = dV[t * D + x];
+        }
+    }
+  }
+}
+
+/* dst[i] = sum over g < G of part[g * n + i], in order */
+void rl2_attn_sum(const float* part, int64_t G, int64_t n, float* dst, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t i = 0; i < n; i += 16) {
+    __mmask16 m = tail16(n - i);
+    __m512 a = _mm512_maskz_loadu_ps(m, part + i);
+    for (int64_t g = 1; g < G; g++) a = _mm512_add_ps(a, _mm512_maskz_loadu_ps(m, part + g * n + i));
+    _mm512_mask_storeu_ps(dst + i, m, a);
+  }
+}

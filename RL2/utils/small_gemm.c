@@ -519,56 +519,33 @@ static void pack_panel(const float* k, int64_t st, int64_t j0, int64_t n, int64_
     for (int64_t c = 0; c < KP; c++) Pn[d * KP + c] = c < n ? k[(j0 + c) * st + d] : 0.0f;
 }
 
-/* acc[c] (rows of D, stride D) += sum over r < R of W[r][c] * X[r] for c < n (rounded up to
- * whole groups: W's columns past n are zeros and acc has room): 16 / CH columns of acc in
- * registers at a time, X's rows read once per group. CH = D / 16, a constant. */
-#define ACCUMULATE(NAME, CH)                                                                     \
-  static void NAME(const float* W, const float* X, int64_t R, int64_t n, float* acc) {           \
+/* out[i] (rows of D, stride D) += sum over j < n_sum of W[i * wi + j * wj] * Y[j] (Y's rows at
+ * stride ldy), for i < n_out rounded up to whole groups of 16 / CH rows, held in registers while
+ * Y's rows stream past (the caller's W is zero past n_out and out has room). With W a block's
+ * [12][32] weights: out = W Y (wi = 32, wj = 1: P V, dS K) or W^T Y (wi = 1, wj = 32: P^T dO,
+ * dS^T Q). CH = D / 16, a constant. */
+#define RANK_UPDATE(NAME, CH)                                                                    \
+  static void NAME(const float* W, int64_t wi, int64_t wj, const float* Y, int64_t ldy,          \
+                   int64_t n_out, int64_t n_sum, float* out) {                                   \
     enum { G = 16 / CH, D = 16 * CH };                                                           \
-    for (int64_t c0 = 0; c0 < n; c0 += G) {                                                      \
+    for (int64_t i0 = 0; i0 < n_out; i0 += G) {                                                  \
       __m512 a[G][CH];                                                                           \
       for (int i = 0; i < G; i++)                                                                \
-        for (int x = 0; x < CH; x++) a[i][x] = _mm512_loadu_ps(acc + (c0 + i) * D + 16 * x);     \
-      for (int64_t r = 0; r < R; r++) {                                                          \
-        __m512 xr[CH];                                                                           \
-        for (int x = 0; x < CH; x++) xr[x] = _mm512_loadu_ps(X + r * D + 16 * x);                \
-        for (int i = 0; i < G; i++) {                                                            \
-          __m512 w = _mm512_set1_ps(W[r * KP + c0 + i]);                                         \
-          for (int x = 0; x < CH; x++) a[i][x] = _mm512_fmadd_ps(w, xr[x], a[i][x]);             \
-        }                                                                                        \
-      }                                                                                          \
-      for (int i = 0; i < G; i++)                                                                \
-        for (int x = 0; x < CH; x++) _mm512_storeu_ps(acc + (c0 + i) * D + 16 * x, a[i][x]);     \
-    }                                                                                            \
-  }
-ACCUMULATE(accumulate_64, 4)
-ACCUMULATE(accumulate_128, 8)
-
-/* out[r] (rows of D, stride D) += sum over c < n of W[r][c] * Y[c] (Y's rows at stride ldy),
- * r < R rounded up to whole groups (W's rows past R are zeros, out has 12 rows): 16 / CH rows
- * of out in registers at a time */
-#define COMBINE(NAME, CH)                                                                        \
-  static void NAME(const float* W, const float* Y, int64_t ldy, int64_t R, int64_t n,            \
-                   float* out) {                                                                 \
-    enum { G = 16 / CH, D = 16 * CH };                                                           \
-    for (int64_t r0 = 0; r0 < R; r0 += G) {                                                      \
-      __m512 a[G][CH];                                                                           \
-      for (int i = 0; i < G; i++)                                                                \
-        for (int x = 0; x < CH; x++) a[i][x] = _mm512_loadu_ps(out + (r0 + i) * D + 16 * x);     \
-      for (int64_t c = 0; c < n; c++) {                                                          \
+        for (int x = 0; x < CH; x++) a[i][x] = _mm512_loadu_ps(out + (i0 + i) * D + 16 * x);     \
+      for (int64_t j = 0; j < n_sum; j++) {                                                      \
         __m512 y[CH];                                                                            \
-        for (int x = 0; x < CH; x++) y[x] = _mm512_loadu_ps(Y + c * ldy + 16 * x);               \
+        for (int x = 0; x < CH; x++) y[x] = _mm512_loadu_ps(Y + j * ldy + 16 * x);               \
         for (int i = 0; i < G; i++) {                                                            \
-          __m512 w = _mm512_set1_ps(W[(r0 + i) * KP + c]);                                       \
+          __m512 w = _mm512_set1_ps(W[(i0 + i) * wi + j * wj]);                                  \
           for (int x = 0; x < CH; x++) a[i][x] = _mm512_fmadd_ps(w, y[x], a[i][x]);              \
         }                                                                                        \
       }                                                                                          \
       for (int i = 0; i < G; i++)                                                                \
-        for (int x = 0; x < CH; x++) _mm512_storeu_ps(out + (r0 + i) * D + 16 * x, a[i][x]);     \
+        for (int x = 0; x < CH; x++) _mm512_storeu_ps(out + (i0 + i) * D + 16 * x, a[i][x]);     \
     }                                                                                            \
   }
-COMBINE(combine_64, 4)
-COMBINE(combine_128, 8)
+RANK_UPDATE(rank_update_64, 4)
+RANK_UPDATE(rank_update_128, 8)
 
 /* Query rows [i0, i0 + R) of one head into Qb (12 x D, zero rows after R), times `mul` */
 static void load_rows(const float* q, int64_t st, int64_t i0, int64_t R, int64_t D, float mul,
@@ -578,15 +555,15 @@ static void load_rows(const float* q, int64_t st, int64_t i0, int64_t R, int64_t
 }
 
 typedef void (*tile_fn)(const float*, const float*, float*);
-typedef void (*acc_fn)(const float*, const float*, int64_t, int64_t, float*);
-typedef void (*comb_fn)(const float*, const float*, int64_t, int64_t, int64_t, float*);
+typedef void (*update_fn)(const float*, int64_t, int64_t, const float*, int64_t, int64_t, int64_t,
+                          float*);
 
 void rl2_attn_fwd(const float* q, int64_t q_sh, int64_t q_st, const float* k, const float* v,
                   int64_t kv_sh, int64_t kv_st, int64_t H, int64_t KH, int64_t D, int64_t T,
                   const int64_t* bounds, const int64_t* items, int64_t n_items, float scale,
                   float* scratch, int64_t cap, float* out, float* lse, int threads) {
   tile_fn tile = D == 64 ? tile_64 : tile_128;
-  comb_fn combine = D == 64 ? combine_64 : combine_128;
+  update_fn update = D == 64 ? rank_update_64 : rank_update_128;
   int64_t n_seq = n_items / H, G = H / KH;
 #pragma omp parallel num_threads(threads)
   {
@@ -638,7 +615,7 @@ void rl2_attn_fwd(const float* q, int64_t q_sh, int64_t q_st, const float* k, co
             }
           }
           /* Ob[r] += sum_c P[r][c] V[j0 + c] */
-          combine(S, vb + j0 * kv_st, kv_st, R, n, Ob);
+          update(S, KP, 1, vb + j0 * kv_st, kv_st, R, n, Ob);
         }
         for (int64_t r = 0; r < R; r++) {
           float inv = 1.0f / l[r];
@@ -663,8 +640,7 @@ void rl2_attn_bwd(const float* q, int64_t q_sh, int64_t q_st, const float* k, co
                   float* scratch, int64_t cap, float* dq, float* dk_part, float* dv_part,
                   int threads) {
   tile_fn tile = D == 64 ? tile_64 : tile_128;
-  comb_fn combine = D == 64 ? combine_64 : combine_128;
-  acc_fn accumulate = D == 64 ? accumulate_64 : accumulate_128;
+  update_fn update = D == 64 ? rank_update_64 : rank_update_128;
   int64_t n_seq = n_items / H, G = H / KH;
 #pragma omp parallel num_threads(threads)
   {
@@ -717,9 +693,9 @@ void rl2_attn_bwd(const float* q, int64_t q_sh, int64_t q_st, const float* k, co
             _mm512_storeu_ps(dr, _mm512_mul_ps(p0, _mm512_sub_ps(_mm512_loadu_ps(dr), dl)));
             _mm512_storeu_ps(dr + 16, _mm512_mul_ps(p1, _mm512_sub_ps(_mm512_loadu_ps(dr + 16), dl)));
           }
-          accumulate(S, dOb, R, n, dV + j0 * D);  /* dV += P^T dO */
-          accumulate(dP, Qb, R, n, dK + j0 * D);  /* dK += dS^T (scale q) */
-          combine(dP, kb + j0 * kv_st, kv_st, R, n, dQb); /* dQ += dS K (scale after) */
+          update(S, 1, KP, dOb, D, n, R, dV + j0 * D);           /* dV += P^T dO */
+          update(dP, 1, KP, Qb, D, n, R, dK + j0 * D);           /* dK += dS^T (scale q) */
+          update(dP, KP, 1, kb + j0 * kv_st, kv_st, R, n, dQb);  /* dQ += dS K (scale after) */
         }
         for (int64_t r = 0; r < R; r++) {
           float* o = dq + ((s + i0 + r) * H + h) * D;

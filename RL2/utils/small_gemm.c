@@ -479,8 +479,8 @@ void rl2_glu_bwd(const float* g, const float* u, const float* dh, int64_t n, flo
 /* Training attention: causal softmax attention inside each sequence of a packed row, forward
  * and backward, fp32, head_dim 64 or 128 (flash-attention's blocked formulation: no L x L score
  * matrix). Per sequence and query head, blocks of QB query rows meet panels of 32 keys: the
- * scores come from the same register tile as rl2_small_gemm's (12 rows x 2 strips, the keys
- * repacked as D x 32 panels), the softmax runs online over the panels, and panels past the
+ * scores come from rl2_small_gemm's own 12-row panel pass (the keys repacked as its two
+ * strips of 16), the softmax runs online over the panels, and panels past the
  * block's last row are skipped (ATen's CPU kernel splits keys in 512s, so a sequence under ~1000
  * tokens does the work of a full square; benchmarks/README.md, fix 31). Scores are taken as
  * (scale * q) . k. Layouts: q (h, t, d) at h * q_sh + t * q_st + d, k and v likewise with KH
@@ -489,34 +489,25 @@ void rl2_glu_bwd(const float* g, const float* u, const float* dh, int64_t n, flo
  * dynamically in the caller's order (longest first). scratch: per thread, the packed keys (and,
  * backward, values and the dK / dV sums) of one sequence, `cap` floats each (the longest
  * sequence rounded up to 32 keys, times D). */
-#define QB 12
-#define KP 32
+#define QB ROWS /* query rows per block: the panel pass's 12 */
+#define KP 32   /* keys per panel: two strips */
 
-/* S[r][0:32] = Qb[r] . panel columns, r < 12; Qb: 12 x D (rows past the block are zeros) */
-#define TILE(NAME, D)                                                                            \
-  static void NAME(const float* Qb, const float* Pn, float* S) {                                 \
-    __m512 a0[QB], a1[QB];                                                                       \
-    for (int r = 0; r < QB; r++) a0[r] = a1[r] = _mm512_setzero_ps();                             \
-    for (int d = 0; d < D; d++) {                                                                \
-      __m512 u = _mm512_loadu_ps(Pn + d * KP), v = _mm512_loadu_ps(Pn + d * KP + 16);            \
-      for (int r = 0; r < QB; r++) {                                                             \
-        __m512 s = _mm512_set1_ps(Qb[r * D + d]);                                                \
-        a0[r] = _mm512_fmadd_ps(s, u, a0[r]);                                                    \
-        a1[r] = _mm512_fmadd_ps(s, v, a1[r]);                                                    \
-      }                                                                                          \
-    }                                                                                            \
-    for (int r = 0; r < QB; r++) {                                                               \
-      _mm512_storeu_ps(S + r * KP, a0[r]);                                                       \
-      _mm512_storeu_ps(S + r * KP + 16, a1[r]);                                                  \
-    }                                                                                            \
-  }
-TILE(tile_64, 64)
-TILE(tile_128, 128)
+/* S[r][0:32] = Qb[r] . the panel's 32 columns, r < 12 (Qb: 12 x D, rows past the block zeros):
+ * the products' own 12-row panel pass */
+static void tile(const float* Qb, const float* Pn, int64_t D, float* S) {
+  epilogue e = {0};
+  e.off1 = 16;
+  e.mask = (__mmask16)0xFFFF;
+  panel_12(Qb, D, Pn, Pn + D * 16, S, KP, &e);
+}
 
-/* The keys [j0, j0 + n) of one KV head as a D x 32 panel (columns past n zero) */
+/* The keys [j0, j0 + n) of one KV head as a panel: two strips of 16 (D x 16 each, the products'
+ * layout), columns past n zero */
 static void pack_panel(const float* k, int64_t st, int64_t j0, int64_t n, int64_t D, float* Pn) {
-  for (int64_t d = 0; d < D; d++)
-    for (int64_t c = 0; c < KP; c++) Pn[d * KP + c] = c < n ? k[(j0 + c) * st + d] : 0.0f;
+  for (int64_t c = 0; c < KP; c++) {
+    float* strip = Pn + (c / 16) * D * 16 + c % 16;
+    for (int64_t d = 0; d < D; d++) strip[d * 16] = c < n ? k[(j0 + c) * st + d] : 0.0f;
+  }
 }
 
 /* out[i] (rows of D, stride D) += sum over j < n_sum of W[i * wi + j * wj] * Y[j] (Y's rows at
@@ -554,7 +545,6 @@ static void load_rows(const float* q, int64_t st, int64_t i0, int64_t R, int64_t
     for (int64_t d = 0; d < D; d++) Qb[r * D + d] = r < R ? q[(i0 + r) * st + d] * mul : 0.0f;
 }
 
-typedef void (*tile_fn)(const float*, const float*, float*);
 typedef void (*update_fn)(const float*, int64_t, int64_t, const float*, int64_t, int64_t, int64_t,
                           float*);
 
@@ -562,7 +552,6 @@ void rl2_attn_fwd(const float* q, int64_t q_sh, int64_t q_st, const float* k, co
                   int64_t kv_sh, int64_t kv_st, int64_t H, int64_t KH, int64_t D, int64_t T,
                   const int64_t* bounds, const int64_t* items, int64_t n_items, float scale,
                   float* scratch, int64_t cap, float* out, float* lse, int threads) {
-  tile_fn tile = D == 64 ? tile_64 : tile_128;
   update_fn update = D == 64 ? rank_update_64 : rank_update_128;
   int64_t n_seq = n_items / H, G = H / KH;
 #pragma omp parallel num_threads(threads)
@@ -585,7 +574,7 @@ void rl2_attn_fwd(const float* q, int64_t q_sh, int64_t q_st, const float* k, co
         int64_t last = i0 + R - 1; /* the block's last row: keys up to it */
         for (int64_t p = 0; p * KP <= last; p++) {
           int64_t j0 = p * KP, n = last + 1 - j0 < KP ? last + 1 - j0 : KP;
-          tile(Qb, panels + p * KP * D, S);
+          tile(Qb, panels + p * KP * D, D, S);
           for (int64_t r = 0; r < R; r++) {
             float* sr = S + r * KP;
             int64_t lim = i0 + r - j0 + 1; /* keys of this row in the panel: c < lim */
@@ -639,7 +628,6 @@ void rl2_attn_bwd(const float* q, int64_t q_sh, int64_t q_st, const float* k, co
                   const int64_t* bounds, const int64_t* items, int64_t n_items, float scale,
                   float* scratch, int64_t cap, float* dq, float* dk_part, float* dv_part,
                   int threads) {
-  tile_fn tile = D == 64 ? tile_64 : tile_128;
   update_fn update = D == 64 ? rank_update_64 : rank_update_128;
   int64_t n_seq = n_items / H, G = H / KH;
 #pragma omp parallel num_threads(threads)
@@ -678,8 +666,8 @@ void rl2_attn_bwd(const float* q, int64_t q_sh, int64_t q_st, const float* k, co
         int64_t last = i0 + R - 1;
         for (int64_t p = 0; p * KP <= last; p++) {
           int64_t j0 = p * KP, n = last + 1 - j0 < KP ? last + 1 - j0 : KP;
-          tile(Qb, kpan + p * KP * D, S);
-          tile(dOb, vpan + p * KP * D, dP);
+          tile(Qb, kpan + p * KP * D, D, S);
+          tile(dOb, vpan + p * KP * D, D, dP);
           for (int64_t r = 0; r < QB; r++) {
             float *sr = S + r * KP, *dr = dP + r * KP;
             int64_t lim = r < R ? i0 + r - j0 + 1 : 0;

@@ -129,7 +129,14 @@ def _units(rank, world, dtype):
 
     from RL2.parallel.fsdp import fsdp_units
 
+    from RL2.utils.checkpoint import full_state_dict
+
     model = _sharded_model(world, param_dtype=dtype)
+    live = {p.to_local().data_ptr() if isinstance(p, DTensor) else p.data_ptr()
+            for p in model.parameters()}
+    state = full_state_dict(model)  # a copy to export, never the live parameters
+    assert state if rank == 0 else not state
+    assert not any(v.data_ptr() in live for v in state.values())
     return len(fsdp_units(model)), any(isinstance(p, DTensor) for p in model.parameters())
 
 

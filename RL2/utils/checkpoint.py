@@ -19,9 +19,15 @@ logger = logging.getLogger(__name__)
 
 
 def full_state_dict(model) -> dict:
-    """Full (unsharded) CPU state dict on rank 0; empty elsewhere. A collective."""
-    return get_model_state_dict(
+    """Full (unsharded) CPU state dict on rank 0; empty elsewhere. A collective. Always copies:
+    on one rank (a plain model, fsdp.whole_on_one_rank, or a one-rank FSDP mesh) the values
+    would otherwise be the live parameters."""
+    from torch.distributed.tensor import DTensor
+
+    state = get_model_state_dict(
         model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    live = {(p._local_tensor if isinstance(p, DTensor) else p).data_ptr() for p in model.parameters()}
+    return {k: v.clone() if torch.is_tensor(v) and v.data_ptr() in live else v for k, v in state.items()}
 
 
 def save_hf(model, out_dir: str, tokenizer=None, dtype: torch.dtype | None = None, state=None):

@@ -235,7 +235,8 @@ class CausalAttentionFunction(torch.autograd.Function):
         (heads, T, D), kv_heads = q3.shape, k3.shape[0]
         b, items = torch.tensor(bounds, dtype=torch.int64), _attention_items(bounds, heads)
         out, lse = q3.new_empty(T, heads, D), q3.new_empty(heads, T)
-        threads, cap = torch.get_num_threads(), _panel_floats(bounds, D)
+        # no more threads than work items: each thread gets scratch for the longest sequence
+        threads, cap = min(torch.get_num_threads(), items.numel()), _panel_floats(bounds, D)
         scratch = q3.new_empty(threads * cap)
         lib.rl2_attn_fwd(q3.data_ptr(), q3.stride(0), q3.stride(1), k3.data_ptr(), v3.data_ptr(),
                          k3.stride(0), k3.stride(1), heads, kv_heads, D, T, b.data_ptr(),
@@ -251,7 +252,7 @@ class CausalAttentionFunction(torch.autograd.Function):
         q3, k3, v3, out, lse, b, items = ctx.saved_tensors
         lib = small_gemm.load()[0]
         (heads, T, D), kv_heads = q3.shape, k3.shape[0]
-        groups, threads = heads // kv_heads, torch.get_num_threads()
+        groups, threads = heads // kv_heads, min(torch.get_num_threads(), items.numel())
         dout = grad[0].contiguous()
         dq = torch.empty_like(out)
         dk_part, dv_part = (q3.new_empty(groups, T, kv_heads, D) for _ in range(2))

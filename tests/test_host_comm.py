@@ -56,6 +56,51 @@ def test_shared_memory_collectives_equal_gloo(world):
         assert served == 6 and after == served  # every call of the first loop; no fallback served
 
 
+def _buffers(rank, world):
+    from RL2.parallel.host_comm import HostAllGather, HostReduceScatter
+
+    gather = HostAllGather()
+    a = gather.allocate((4, 3), dtype=torch.float32, device=torch.device("cpu"))
+    b = gather.allocate((12,), dtype=torch.float32, device=torch.device("cpu"))
+    held_apart = a.data_ptr() != b.data_ptr()  # a is still held
+    ptr, view = b.data_ptr(), b[2:]
+    del a, b
+    c = gather.allocate((12,), dtype=torch.float32, device=torch.device("cpu"))
+    d = gather.allocate((12,), dtype=torch.float32, device=torch.device("cpu"))
+    # the first buffer is free again; the second is still held through a view of it
+    reused = c.data_ptr() != ptr and d.data_ptr() not in (ptr, c.data_ptr())
+    del view
+    e = gather.allocate((3, 4), dtype=torch.float32, device=torch.device("cpu"))
+    reused = reused and e.data_ptr() == ptr and e.shape == (3, 4)
+
+    # the reduce-scatter's input is this rank's slot once the group is known; its output never
+    scatter, group, sums = HostReduceScatter(), dist.new_group(list(range(world))), []
+    for step in range(2):
+        full = scatter.allocate((2 * world,), dtype=torch.float32, device=torch.device("cpu"))
+        out = scatter.allocate((2,), dtype=torch.float32, device=torch.device("cpu"))
+        full.copy_(torch.arange(2.0 * world) + 10 * rank)
+        scatter(out, full, group)
+        sums.append(out.tolist())
+    host = scatter.groups[group.group_name]
+    in_file = full.data_ptr() == host.file.buffer[rank * 8 * world:].data_ptr()
+    in_slot = scatter.in_slot  # the second call's input only
+    # an output in the file (allocations out of the order FSDP keeps) is refused, not used
+    bad = scatter.allocate((2 * world,), dtype=torch.float32, device=torch.device("cpu"))
+    with pytest.raises(RuntimeError, match="reduce-scatter output in the shared file"):
+        scatter(bad[:2], full, group)
+    return held_apart, reused, sums, in_slot, in_file
+
+
+def test_collective_buffers_are_reused_once_free_and_gradients_go_into_the_slot():
+    """Fresh buffers cost page faults at every first touch: FSDP's buffers come from a pool,
+    handed out again only when nothing (no view either) holds them. The reduce-scatter input
+    is this rank's slot of the shared file from the second call on (the group is known)."""
+    for rank, (held_apart, reused, sums, in_slot, in_file) in enumerate(run_dist(_buffers, 2)):
+        want = [2 * rank + 10 + 2 * rank, 2 * rank + 1 + 10 + 2 * rank + 1]
+        assert held_apart and reused and in_slot == 1 and in_file
+        assert sums == [want, want]
+
+
 def _reuse_agreed(rank, world):
     from RL2.parallel.host_comm import shared_group
 
@@ -112,6 +157,10 @@ def _fsdp_grads(rank, world, cpu_comm, reshard_after_forward=True):
         model.zero_grad()
         model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
     grads = {n: p.grad.full_tensor().tolist() for n, p in model.named_parameters()}  # by value
+    if cpu_comm == "shm":
+        # gradients went straight into the shared file from the second reduce-scatter on (the
+        # first one tells its group): 3 units x 2 steps - 1
+        assert model._rl2_host_comms[1].in_slot == 5
     return grads, host_comm.served(model), _gathers(model) if cpu_comm == "shm" else 0
 
 

@@ -15,6 +15,12 @@ pipe barrier, reads what it needs, and waits again before any slot may be writte
 are exact: an all-gather is a copy, and a reduce-scatter adds the ranks' chunks in rank order
 (for two ranks a + b, bitwise what gloo returns).
 
+Buffers: FSDP asks its collectives for the buffers it fills (`allocate`). A fresh buffer per call
+costs page faults on every first touch (a copy into fresh pages took twice as long as into
+reused ones); these buffers are kept and handed out again once nothing else holds them. The
+reduce-scatter's input goes straight into this rank's slot of the shared file, so FSDP's
+gradient copy-in is also the publish.
+
 Falls back to the group's own collective (gloo) when the ranks are not on one host, for inputs
 bigger than the largest shared file that could be made (a small /dev/shm), for a reduction other
 than SUM, and for inputs whose slots would exceed `max_bytes`.
@@ -22,6 +28,7 @@ than SUM, and for inputs whose slots would exceed `max_bytes`.
 from __future__ import annotations
 
 import logging
+import math
 import socket
 import weakref
 
@@ -78,7 +85,6 @@ class HostGroup:
                 if not (old and self._make(old)):
                     self.usable = False
                 return None
-        self.calls += 1
         return self.file.buffer[:need].view(self.world, nbytes)
 
     def _make(self, *sizes: int) -> bool:
@@ -102,8 +108,10 @@ class HostGroup:
         src = as_bytes(t)
         slots = self.slots(src.numel())
         if slots is not None:
-            slots[self.rank].copy_(src)
+            if src.data_ptr() != slots[self.rank].data_ptr():  # else written there already
+                slots[self.rank].copy_(src)
             self.barrier()
+            self.calls += 1
         return slots
 
     def release(self) -> None:
@@ -135,14 +143,26 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)
 
 
+def _within(t: torch.Tensor, buffer: torch.Tensor) -> bool:
+    start = buffer.data_ptr()
+    return start <= t.data_ptr() < start + buffer.numel()
+
+
+def _held(buf: torch.Tensor) -> bool:
+    """Whether anything but the pool holds `buf`'s memory. Every tensor on a storage (each view
+    handed out, each view of those) counts once, as does the storage object asked here."""
+    return torch._C._storage_Use_Count(buf.untyped_storage()._cdata) > 2
+
+
 class _HostComm:
     """The shared HostGroup of each process group handed to `__call__` (all-gather and
-    reduce-scatter share one file), held here; allocation as FSDP's default."""
+    reduce-scatter share one file), held here, and the buffers FSDP allocates, reused."""
 
     def __init__(self, max_bytes: int = MAX_BYTES):
         self.max_bytes = max_bytes
         self.groups: dict[str, HostGroup] = {}
         self.calls = 0  # served through shared memory (tests: no silent fallback)
+        self.pool: dict[tuple, list[torch.Tensor]] = {}
 
     def host_group(self, group) -> HostGroup:
         key = group.group_name
@@ -151,7 +171,16 @@ class _HostComm:
         return self.groups[key]
 
     def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return torch.empty(*size, dtype=dtype, device=device)
+        """A buffer nothing else holds, as a new view (the pool keeps the base only, so every
+        user is seen by `_held`)."""
+        size = tuple(int(s) for s in size)
+        key = (math.prod(size), dtype, device)
+        bufs = self.pool.setdefault(key, [])
+        buf = next((b for b in bufs if not _held(b)), None)
+        if buf is None:  # the pool grows to the most FSDP holds at once (two or three)
+            buf = torch.empty(key[0], dtype=dtype, device=device)
+            bufs.append(buf)
+        return buf.view(size)
 
 
 class HostAllGather(_HostComm):
@@ -169,9 +198,36 @@ class HostAllGather(_HostComm):
 
 
 class HostReduceScatter(_HostComm):
+    """FSDP allocates the input, then the output, then calls (torch/distributed/fsdp/
+    _fully_shard/_fsdp_collectives.py: foreach_reduce). The input is this rank's slot of the
+    group's file once the group is known (from the first call): published as it is written."""
+
+    def __init__(self, max_bytes: int = MAX_BYTES):
+        super().__init__(max_bytes)
+        self._input_next = True
+        self.in_slot = 0  # inputs handed out as this rank's slot (tests)
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        is_input, self._input_next = self._input_next, not self._input_next
+        if is_input and len(self.groups) == 1 and device.type == "cpu":
+            host = next(iter(self.groups.values()))
+            nbytes = math.prod(int(s) for s in size) * dtype.itemsize
+            slots = host.slots(nbytes)  # collective growth: every rank allocates alike
+            if slots is not None:
+                self.in_slot += 1
+                return slots[host.rank].view(dtype).view(*size)
+        if not is_input:  # the sharded gradients, held to the optimizer step: not pooled
+            return torch.empty(*size, dtype=dtype, device=device)
+        return super().allocate(size, dtype=dtype, device=device)
+
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group,
                  op=dist.ReduceOp.SUM, async_op: bool = False):
+        self._input_next = True
         host = self.host_group(group)
+        if host.file is not None and _within(output_tensor, host.file.buffer):
+            # the output is read after the next collectives have written the file over
+            raise RuntimeError("fsdp comm: a reduce-scatter output in the shared file (FSDP "
+                               "allocated in an order host_comm does not know)")
         usable = op == dist.ReduceOp.SUM and output_tensor.is_contiguous()
         slots = host.publish(input_tensor) if usable else None
         if slots is None:
@@ -179,8 +235,8 @@ class HostReduceScatter(_HostComm):
                                               async_op=async_op)
         chunks = slots.view(input_tensor.dtype).view(host.world, host.world, -1)[:, host.rank]
         out = output_tensor.view(-1)
-        out.copy_(chunks[0])
-        for r in range(1, host.world):  # rank order: the same sum whatever the rank
+        torch.add(chunks[0], chunks[1], out=out)  # one pass for the first two
+        for r in range(2, host.world):  # rank order: the same sum whatever the rank
             out.add_(chunks[r])
         host.release()
         self.calls += 1

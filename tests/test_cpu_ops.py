@@ -263,6 +263,101 @@ def test_sft_with_head_dim_64_matches_sdpa_attention(assets, tmp_path):
         run = run_trainer("sft", 1, sft_args(assets, "actor.dtype=float32", f"actor.model_name={model}",
                                              f"actor.cpu_fused_ops={fused}"), d)
         runs[fused] = d
-        assert ("and 2 attentions through" in run.stderr) == (fused == "true")
+        assert ("2 attentions and 2 rotary embeddings through" in run.stderr) == (fused == "true")
     for key in ("train/loss", "train/grad_norm", "test/loss"):
         assert_close(train_rows(runs["true"], key), train_rows(runs["false"], key), 1e-5, key)
+
+
+def _cos_sin(b: int, t: int, d: int, offset: int = 0):
+    """(B, T, D) cos and sin as HF's rotary modules build them (the two halves repeat)."""
+    pos = (torch.arange(t, dtype=torch.float32) + offset)[:, None]
+    freqs = pos / 10000 ** (torch.arange(d // 2) / (d // 2))
+    emb = torch.cat([freqs, freqs], -1)[None].expand(b, t, d)
+    return emb.cos(), emb.sin()
+
+
+def _hf_rope():
+    from transformers.models.qwen2 import modeling_qwen2
+
+    fn = modeling_qwen2.apply_rotary_pos_emb
+    return getattr(fn, "rl2_original", fn)
+
+
+@needs_kernel
+@pytest.mark.parametrize("b,heads,kv_heads,t,d,layout", [
+    (1, 8, 4, 70, 64, "projection"), (2, 4, 4, 5, 128, "contiguous"), (1, 2, 1, 1, 64, "projection")])
+def test_rope_and_its_gradients_equal_hfs_bit_for_bit(b, heads, kv_heads, t, d, layout):
+    """The kernel does HF's arithmetic (x1 cos - x2 sin, x2 cos + x1 sin) and its transpose
+    backward: the same bits as apply_rotary_pos_emb and its autograd, whatever the layout of
+    q and k (HF's: views of the projections' token rows)."""
+    g = torch.Generator().manual_seed(0)
+    cos, sin = _cos_sin(b, t, d, offset=3)
+
+    def heads_of(n):
+        if layout == "projection":
+            return torch.randn(b, t, n * d, generator=g).view(b, t, n, d).transpose(1, 2)
+        return torch.randn(b, n, t, d, generator=g)
+
+    q, k = heads_of(heads), heads_of(kv_heads)
+    up = [torch.randn(b, n, t, d, generator=g).transpose(2, 3).contiguous().transpose(2, 3)
+          for n in (heads, kv_heads)]  # upstream gradients in yet another layout
+    results = []
+    for fn in (_hf_rope(), cpu_ops.rope):
+        qs, ks = q.detach().clone().requires_grad_(), k.detach().clone().requires_grad_()
+        outs = fn(qs, ks, cos, sin)
+        torch.autograd.backward(outs, up)
+        results.append([*outs, qs.grad, ks.grad])
+    for name, got, want in zip(("q", "k", "dq", "dk"), results[1], results[0]):
+        assert got.shape == want.shape and torch.equal(got, want), name
+
+
+@needs_kernel
+def test_a_models_rotary_embedding_goes_through_the_kernel(monkeypatch):
+    """use_rope replaces the family's apply_rotary_pos_emb (once, after a check); a model's
+    layers then rotate in the kernel (counted) with the logits and every gradient of HF's."""
+    from transformers.models.qwen2 import modeling_qwen2
+
+    hf = _hf_rope()
+    monkeypatch.setattr(modeling_qwen2, "apply_rotary_pos_emb", hf)  # undone after the test
+    ref, model = _attention_model(), _attention_model()
+    ids = torch.randint(0, 300, (1, 40), generator=torch.Generator().manual_seed(1))
+    out = ref(input_ids=ids, use_cache=False).logits
+    out.pow(2).mean().backward()
+    assert cpu_ops.use_rope(model) == 2 and cpu_ops.use_rope(model) == 2  # once patched, kept
+    assert modeling_qwen2.apply_rotary_pos_emb.rl2_original is hf
+    assert cpu_ops.use_rope(torch.nn.Linear(2, 2)) == 0
+    calls = []
+    apply = cpu_ops.RopeFunction.apply
+    monkeypatch.setattr(cpu_ops.RopeFunction, "apply", lambda *a: calls.append(1) or apply(*a))
+    got = model(input_ids=ids, use_cache=False).logits
+    got.pow(2).mean().backward()
+    assert len(calls) == 2  # one per layer
+    assert torch.equal(got, out)
+    for (name, a), b in zip(ref.named_parameters(), model.parameters()):
+        assert torch.equal(b.grad, a.grad), name
+
+
+@needs_kernel
+def test_rope_refuses_what_the_kernel_cannot_take_and_hfs_takes_the_rest(monkeypatch):
+    from transformers.models.qwen2 import modeling_qwen2
+
+    hf = _hf_rope()
+    monkeypatch.setattr(modeling_qwen2, "apply_rotary_pos_emb", cpu_ops._dispatching(hf))
+    q, k = torch.randn(1, 4, 6, 64), torch.randn(1, 2, 6, 64)
+    cos, sin = _cos_sin(1, 6, 64)
+    for bad in [lambda: cpu_ops.rope(q.double(), k.double(), cos.double(), sin.double()),
+                lambda: cpu_ops.rope(q[..., :48], k[..., :48], cos[..., :48], sin[..., :48]),
+                lambda: cpu_ops.rope(q, k, cos[:, :5], sin[:, :5]),  # positions of 5 tokens
+                lambda: cpu_ops.rope(q, k[..., :32], cos, sin)]:
+        with pytest.raises(ValueError):
+            bad()
+    calls = []
+    apply = cpu_ops.RopeFunction.apply
+    monkeypatch.setattr(cpu_ops.RopeFunction, "apply", lambda *a: calls.append(1) or apply(*a))
+    # bf16, and a rotary over part of the head: HF's function, the same results
+    for args in [(q.bfloat16(), k.bfloat16(), cos.bfloat16(), sin.bfloat16()),
+                 (q[..., :32], k[..., :32], cos[..., :32], sin[..., :32]),
+                 (q[..., :48], k[..., :48], cos[..., :48], sin[..., :48])]:
+        got, want = modeling_qwen2.apply_rotary_pos_emb(*args), hf(*args)
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert len(calls) == 1  # the 32-wide heads only

@@ -1,5 +1,5 @@
-"""Training RMSNorms, SiLU(gate) * up and packed causal attention on the CPU through RL2's C
-kernel (small_gemm.c).
+"""Training RMSNorms, SiLU(gate) * up, packed causal attention and the rotary embedding on the
+CPU through RL2's C kernel (small_gemm.c).
 
 Why: HF's RMSNorm module is ~6 PyTorch ops forward and, through autograd, ~12 backward, most of
 them a pass over the rows; on the 25.7M benchmark model (1020 tokens, 2 threads) one norm took
@@ -10,10 +10,13 @@ rounding of HF's modules (the norm's mean sums in another order; exp is the kern
 Attention: ATen's CPU flash-attention kernel splits keys in blocks of 512, so causal sequences
 under ~1000 tokens cost it a full square, forward and backward (~14% of that SFT step); the
 kernel's blocked causal attention skips the upper triangle (fix 31 in benchmarks/README.md).
+The rotary embedding is 5 ops forward and 5 backward per layer in HF (~3% of that step); here one
+pass each, with HF's arithmetic (the same bits).
 fp32 CPU tensors only: anything else (bf16, fp64, DTensor activations of tensor or sequence
 parallelism, CUDA) runs the module's own forward or SDPA. `use_for_model` switches a model's
 norms and MLPs, each class after a check against its own forward; `use_attention` marks its
-attention modules for RL2's packed attention after a check against SDPA.
+attention modules for RL2's packed attention after a check against SDPA; `use_rope` replaces the
+model family's apply_rotary_pos_emb after a check against it.
 """
 from __future__ import annotations
 
@@ -327,4 +330,107 @@ def use_attention(model: torch.nn.Module) -> int:
         if all(hasattr(module, a) for a in ("is_causal", "head_dim", "num_key_value_groups")):
             module.rl2_fused_attention = True
             n += 1
+    return n
+
+
+# ----- rotary embedding -----
+
+def rope_takes(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    """fp32 CPU q (B, H, T, D) and k (B, KH, T, D), cos and sin (B, T, D), D a multiple of 32."""
+    return (_plain(q, k, cos, sin) and q.dim() == k.dim() == 4 and cos.dim() == 3
+            and cos.shape == sin.shape == (q.shape[0], q.shape[2], q.shape[3])
+            and k.shape[0] == q.shape[0] and k.shape[2:] == q.shape[2:]
+            and q.shape[3] % 32 == 0 and q.shape[3] > 0 and small_gemm.available())
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: int) -> torch.Tensor:
+    """x (B, H, T, D) rotated (or, inverse, rotated back: the backward) -> (B, H, T, D) viewed
+    from a (B, T, H, D) buffer, the layout of HF's projections (attention reads it as is)."""
+    rows = x.transpose(1, 2)  # (B, T, H, D): token rows, evenly spaced if the kernel reads them
+    b, t, h, d = rows.shape
+    if not (rows.stride(3) == 1 and rows.stride(0) == t * rows.stride(1)):
+        rows = rows.contiguous()
+    y = x.new_empty(b, t, h, d)
+    small_gemm.load()[0].rl2_rope_train(
+        rows.data_ptr(), rows.stride(1), rows.stride(2), y.data_ptr(), h * d, b * t, h, d,
+        cos.data_ptr(), sin.data_ptr(), inverse, torch.get_num_threads())
+    return y.transpose(1, 2)
+
+
+class RopeFunction(torch.autograd.Function):
+    """HF's apply_rotary_pos_emb (x cos + rotate_half(x) sin) of q and k in the kernel
+    (rl2_rope_train): one pass per tensor forward and backward instead of five ops each."""
+
+    @staticmethod
+    def forward(ctx, q, k, cos, sin):
+        cos, sin = cos.detach().contiguous(), sin.detach().contiguous()
+        ctx.save_for_backward(cos, sin)
+        return _rotate(q.detach(), cos, sin, 0), _rotate(k.detach(), cos, sin, 0)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dq: torch.Tensor, dk: torch.Tensor):
+        cos, sin = ctx.saved_tensors
+        return _rotate(dq, cos, sin, 1), _rotate(dk, cos, sin, 1), None, None
+
+
+def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """(q, k) rotated as HF's apply_rotary_pos_emb(q, k, cos, sin) does (`rope_takes` tensors)."""
+    if not rope_takes(q, k, cos, sin):
+        raise ValueError(f"rope: fp32 CPU q (B, H, T, D), k (B, KH, T, D), cos and sin (B, T, D), "
+                         f"D a multiple of 32, and the kernel (got {q.dtype} {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}, {cos.dtype} {tuple(cos.shape)}, {tuple(sin.shape)})")
+    return RopeFunction.apply(q, k, cos, sin)
+
+
+def _dispatching(original):
+    """HF's apply_rotary_pos_emb, through the kernel for the tensors it takes."""
+    def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
+        if unsqueeze_dim == 1 and rope_takes(q, k, cos, sin):
+            return RopeFunction.apply(q, k, cos, sin)
+        return original(q, k, cos, sin, unsqueeze_dim)
+
+    apply_rotary_pos_emb.rl2_original = original
+    return apply_rotary_pos_emb
+
+
+def _rope_agrees(original) -> bool:
+    g = torch.Generator().manual_seed(0)
+    t, d = 9, 64
+    pos = torch.arange(t, dtype=torch.float32)[:, None] / 10000 ** (torch.arange(d // 2) / (d // 2))
+    emb = torch.cat([pos, pos], -1)[None]  # (1, T, D) as HF's rotary modules build it
+    cos, sin = emb.cos(), emb.sin()
+    q, k = torch.randn(1, 4, t, d, generator=g), torch.randn(1, 2, t, d, generator=g)
+    flat = lambda pair: torch.cat([x.reshape(-1) for x in pair])
+    return _agrees(lambda q, k: flat(original(q, k, cos, sin)),
+                   lambda q, k: flat(rope(q, k, cos, sin)), [q, k], [])
+
+
+def use_rope(model: torch.nn.Module) -> int:
+    """Route the rotary embedding of `model`'s attention modules through `rope`: HF's modeling
+    modules call their module-level apply_rotary_pos_emb, which is replaced (as Liger-Kernel
+    patches it) by one that sends the tensors the kernel takes to it and the rest to HF's, after
+    a check against HF's. Process-wide for that model family, so the same arithmetic matters:
+    the kernel's is HF's (x1 cos - x2 sin, x2 cos + x1 sin). Returns the modules covered."""
+    import inspect
+    import sys
+
+    if not small_gemm.available():
+        return 0
+    n = 0
+    for module in model.modules():
+        if not all(hasattr(module, a) for a in ("is_causal", "head_dim", "num_key_value_groups")):
+            continue
+        family = sys.modules.get(type(module).__module__)
+        fn = getattr(family, "apply_rotary_pos_emb", None)
+        if fn is None:
+            continue
+        if not hasattr(fn, "rl2_original"):
+            # HF's signature of today (older families took position_ids before unsqueeze_dim)
+            if list(inspect.signature(fn).parameters) != ["q", "k", "cos", "sin", "unsqueeze_dim"]:
+                continue
+            if not _rope_agrees(fn):
+                continue
+            family.apply_rotary_pos_emb = fn = _dispatching(fn)
+        n += 1
     return n

@@ -158,6 +158,7 @@ def load():
         lib.rl2_rms_norm.argtypes = [p, i, i, p, f, p, ctypes.c_int]
         lib.rl2_silu_mul.argtypes = [p, i, i, p, ctypes.c_int]
         lib.rl2_rope.argtypes = [p, i, i, i, i, p, p, ctypes.c_int]
+        lib.rl2_rope_train.argtypes = [p, i, i, p, i, i, i, i, p, p, ctypes.c_int, ctypes.c_int]
         lib.rl2_rms_norm_fwd.argtypes = [p, i, i, p, f, p, p, ctypes.c_int]
         lib.rl2_rms_norm_bwd.argtypes = [p, p, p, p, i, i, p, p, p, ctypes.c_int]
         lib.rl2_glu_fwd.argtypes = [p, p, i, p, ctypes.c_int]
@@ -167,7 +168,8 @@ def load():
         lib.rl2_attn_bwd.argtypes = [p, i, i, p, p, i, i, p, p, p, i, i, i, i, p, p, i, f, p, i, p, p,
                                      p, ctypes.c_int]
         lib.rl2_attn_sum.argtypes = [p, i, i, p, ctypes.c_int]
-        for fn in (lib.rl2_rms_norm, lib.rl2_silu_mul, lib.rl2_rope, lib.rl2_rms_norm_fwd,
+        for fn in (lib.rl2_rms_norm, lib.rl2_silu_mul, lib.rl2_rope, lib.rl2_rope_train,
+                   lib.rl2_rms_norm_fwd,
                    lib.rl2_rms_norm_bwd, lib.rl2_glu_fwd, lib.rl2_glu_bwd, lib.rl2_attn_fwd,
                    lib.rl2_attn_bwd, lib.rl2_attn_sum):
             fn.restype = None

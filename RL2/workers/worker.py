@@ -85,8 +85,9 @@ class Worker:
             n = onednn.use_for_linears(self.model)  # TP's DTensor weights keep F.linear
             logger.info("cpu_matmul=onednn: %d linear layers computed by oneDNN", n)
         if cfg.get("cpu_fused_ops", True) and device == "cpu":  # DTensor / non-fp32: HF's forward
-            logger.info("cpu_fused_ops: %d RMSNorms, %d MLPs and %d attentions through RL2's kernel",
-                        *cpu_ops.use_for_model(self.model), cpu_ops.use_attention(self.model))
+            logger.info("cpu_fused_ops: %d RMSNorms, %d MLPs, %d attentions and %d rotary "
+                        "embeddings through RL2's kernel", *cpu_ops.use_for_model(self.model),
+                        cpu_ops.use_attention(self.model), cpu_ops.use_rope(self.model))
         self.config = self.model.config
         check_sp_rope(rope_types(self.model), self.dims.sp)
         # ring attention's K/V blocks through shared memory, as FSDP's collectives (cpu_comm)

@@ -285,13 +285,17 @@ def _hf_rope():
 
 @needs_kernel
 @pytest.mark.parametrize("b,heads,kv_heads,t,d,layout", [
-    (1, 8, 4, 70, 64, "projection"), (2, 4, 4, 5, 128, "contiguous"), (1, 2, 1, 1, 64, "projection")])
+    (1, 8, 4, 70, 64, "projection"), (2, 4, 4, 5, 128, "contiguous"), (1, 2, 1, 1, 64, "projection"),
+    (3, 4, 2, 7, 64, "projection"), (2, 2, 2, 1, 64, "projection")])
 def test_rope_and_its_gradients_equal_hfs_bit_for_bit(b, heads, kv_heads, t, d, layout):
     """The kernel does HF's arithmetic (x1 cos - x2 sin, x2 cos + x1 sin) and its transpose
     backward: the same bits as apply_rotary_pos_emb and its autograd, whatever the layout of
     q and k (HF's: views of the projections' token rows)."""
     g = torch.Generator().manual_seed(0)
-    cos, sin = _cos_sin(b, t, d, offset=3)
+    cos, sin = _cos_sin(1, t, d, offset=3)
+    cos, sin = cos.expand(b, t, d), sin.expand(b, t, d)  # one position row for every batch row
+    if layout == "contiguous":  # halves that differ: the backward's transpose takes the right ones
+        cos, sin = torch.randn(b, t, d, generator=g), torch.randn(b, t, d, generator=g)
 
     def heads_of(n):
         if layout == "projection":
@@ -304,7 +308,7 @@ def test_rope_and_its_gradients_equal_hfs_bit_for_bit(b, heads, kv_heads, t, d, 
     results = []
     for fn in (_hf_rope(), cpu_ops.rope):
         qs, ks = q.detach().clone().requires_grad_(), k.detach().clone().requires_grad_()
-        outs = fn(qs, ks, cos, sin)
+        outs = [x.mul_(1.0) for x in fn(qs, ks, cos, sin)]  # written in place, as HF's may be
         torch.autograd.backward(outs, up)
         results.append([*outs, qs.grad, ks.grad])
     for name, got, want in zip(("q", "k", "dq", "dk"), results[1], results[0]):
@@ -348,9 +352,11 @@ def test_rope_refuses_what_the_kernel_cannot_take_and_hfs_takes_the_rest(monkeyp
     for bad in [lambda: cpu_ops.rope(q.double(), k.double(), cos.double(), sin.double()),
                 lambda: cpu_ops.rope(q[..., :48], k[..., :48], cos[..., :48], sin[..., :48]),
                 lambda: cpu_ops.rope(q, k, cos[:, :5], sin[:, :5]),  # positions of 5 tokens
-                lambda: cpu_ops.rope(q, k[..., :32], cos, sin)]:
+                lambda: cpu_ops.rope(q, k[..., :32], cos, sin),
+                lambda: cpu_ops.rope(q, k, cos.requires_grad_(), sin)]:  # its gradient: HF's
         with pytest.raises(ValueError):
             bad()
+    cos = cos.detach()
     calls = []
     apply = cpu_ops.RopeFunction.apply
     monkeypatch.setattr(cpu_ops.RopeFunction, "apply", lambda *a: calls.append(1) or apply(*a))

@@ -72,6 +72,9 @@ def _buffers(rank, world):
     del view
     e = gather.allocate((3, 4), dtype=torch.float32, device=torch.device("cpu"))
     reused = reused and e.data_ptr() == ptr and e.shape == (3, 4)
+    del c, d, e
+    gather.trim()  # after a step: nothing kept (held buffers live on with their holders)
+    reused = reused and gather.pool == {}
 
     # the reduce-scatter's input is this rank's slot once the group is known; its output never
     scatter, group, sums = HostReduceScatter(), dist.new_group(list(range(world))), []

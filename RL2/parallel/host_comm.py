@@ -149,8 +149,9 @@ def _within(t: torch.Tensor, buffer: torch.Tensor) -> bool:
 
 
 def _held(buf: torch.Tensor) -> bool:
-    """Whether anything but the pool holds `buf`'s memory. Every tensor on a storage (each view
-    handed out, each view of those) counts once, as does the storage object asked here."""
+    """Whether any tensor but the pool's holds `buf`'s memory: every tensor on a storage (each
+    view handed out, each view of those) counts once, as does the storage object asked here.
+    FSDP keeps tensors, never bare storages, of what it allocates."""
     return torch._C._storage_Use_Count(buf.untyped_storage()._cdata) > 2
 
 
@@ -181,6 +182,11 @@ class _HostComm:
             buf = torch.empty(key[0], dtype=dtype, device=device)
             bufs.append(buf)
         return buf.view(size)
+
+    def trim(self) -> None:
+        """Drop the pool (what FSDP still holds lives on with its holder): its buffers are as
+        big as the unsharded units, and no memory should stay behind between steps."""
+        self.pool.clear()
 
 
 class HostAllGather(_HostComm):
@@ -216,9 +222,9 @@ class HostReduceScatter(_HostComm):
             if slots is not None:
                 self.in_slot += 1
                 return slots[host.rank].view(dtype).view(*size)
-        if not is_input:  # the sharded gradients, held to the optimizer step: not pooled
-            return torch.empty(*size, dtype=dtype, device=device)
-        return super().allocate(size, dtype=dtype, device=device)
+        # the output (the sharded gradients, held to the optimizer step) and the first input
+        # (before the group is known): not pooled
+        return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group,
                  op=dist.ReduceOp.SUM, async_op: bool = False):
@@ -235,7 +241,10 @@ class HostReduceScatter(_HostComm):
                                               async_op=async_op)
         chunks = slots.view(input_tensor.dtype).view(host.world, host.world, -1)[:, host.rank]
         out = output_tensor.view(-1)
-        torch.add(chunks[0], chunks[1], out=out)  # one pass for the first two
+        if host.world == 1:
+            out.copy_(chunks[0])
+        else:
+            torch.add(chunks[0], chunks[1], out=out)  # one pass for the first two
         for r in range(2, host.world):  # rank order: the same sum whatever the rank
             out.add_(chunks[r])
         host.release()
@@ -252,6 +261,12 @@ def install(model: torch.nn.Module, max_bytes: int = MAX_BYTES) -> None:
         unit.set_custom_all_gather(gather)
         unit.set_custom_reduce_scatter(scatter)
     model._rl2_host_comms = (gather, scatter)  # for `served` (tests)
+
+
+def trim(model: torch.nn.Module) -> None:
+    """Free the buffers pooled for `model`'s collectives (after a step or a no-grad pass)."""
+    for comm in getattr(model, "_rl2_host_comms", ()):
+        comm.trim()
 
 
 def served(model: torch.nn.Module) -> int:

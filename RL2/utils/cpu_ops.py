@@ -337,24 +337,28 @@ def use_attention(model: torch.nn.Module) -> int:
 
 def rope_takes(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
     """fp32 CPU q (B, H, T, D) and k (B, KH, T, D), cos and sin (B, T, D), D a multiple of 32."""
-    return (_plain(q, k, cos, sin) and q.dim() == k.dim() == 4 and cos.dim() == 3
+    return (_plain(q, k, cos, sin) and not (cos.requires_grad or sin.requires_grad)
+            and q.dim() == k.dim() == 4 and cos.dim() == 3
             and cos.shape == sin.shape == (q.shape[0], q.shape[2], q.shape[3])
             and k.shape[0] == q.shape[0] and k.shape[2:] == q.shape[2:]
             and q.shape[3] % 32 == 0 and q.shape[3] > 0 and small_gemm.available())
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: int) -> torch.Tensor:
-    """x (B, H, T, D) rotated (or, inverse, rotated back: the backward) -> (B, H, T, D) viewed
-    from a (B, T, H, D) buffer, the layout of HF's projections (attention reads it as is)."""
+    """x (B, H, T, D) rotated (or, inverse, rotated back: the backward) -> (B, H, T, D) laid
+    out as (B, T, H, D), HF's projections' layout (attention reads it as is); not a view, so
+    callers may write into it as into HF's result."""
     rows = x.transpose(1, 2)  # (B, T, H, D): token rows, evenly spaced if the kernel reads them
     b, t, h, d = rows.shape
-    if not (rows.stride(3) == 1 and rows.stride(0) == t * rows.stride(1)):
-        rows = rows.contiguous()
-    y = x.new_empty(b, t, h, d)
+    # row b * T + t at that many times ldx (a size-1 dim's stride is anything: not read)
+    ldx = rows.stride(1) if t > 1 else rows.stride(0)
+    if not (rows.stride(3) == 1 and (b == 1 or t == 1 or rows.stride(0) == t * ldx)):
+        rows, ldx = rows.contiguous(), h * d
+    y = torch.empty_strided((b, h, t, d), (t * h * d, d, h * d, 1), dtype=x.dtype)
     small_gemm.load()[0].rl2_rope_train(
-        rows.data_ptr(), rows.stride(1), rows.stride(2), y.data_ptr(), h * d, b * t, h, d,
+        rows.data_ptr(), ldx, rows.stride(2), y.data_ptr(), h * d, b * t, h, d,
         cos.data_ptr(), sin.data_ptr(), inverse, torch.get_num_threads())
-    return y.transpose(1, 2)
+    return y
 
 
 class RopeFunction(torch.autograd.Function):
@@ -413,7 +417,6 @@ def use_rope(model: torch.nn.Module) -> int:
     a check against HF's. Process-wide for that model family, so the same arithmetic matters:
     the kernel's is HF's (x1 cos - x2 sin, x2 cos + x1 sin). Returns the modules covered."""
     import inspect
-    import sys
 
     if not small_gemm.available():
         return 0
@@ -421,8 +424,10 @@ def use_rope(model: torch.nn.Module) -> int:
     for module in model.modules():
         if not all(hasattr(module, a) for a in ("is_causal", "head_dim", "num_key_value_groups")):
             continue
-        family = sys.modules.get(type(module).__module__)
-        fn = getattr(family, "apply_rotary_pos_emb", None)
+        # the globals its forward reads (an inherited forward's module; FSDP's wrapper class
+        # keeps the model's forward; HF's decorators wrap it)
+        family = getattr(inspect.unwrap(type(module).forward), "__globals__", {})
+        fn = family.get("apply_rotary_pos_emb")
         if fn is None:
             continue
         if not hasattr(fn, "rl2_original"):
@@ -431,6 +436,6 @@ def use_rope(model: torch.nn.Module) -> int:
                 continue
             if not _rope_agrees(fn):
                 continue
-            family.apply_rotary_pos_emb = fn = _dispatching(fn)
+            family["apply_rotary_pos_emb"] = fn = _dispatching(fn)
         n += 1
     return n

@@ -162,6 +162,7 @@ class Worker:
             # shards are what the next rollout or sync sees. A frozen model (the reference)
             # keeps its gathered weights for the run: its one all-gather is its last.
             reshard(self.model)
+        host_comm.trim(self.model)
         merged = {}
         for part in gather_objects(local):
             merged.update(part)
@@ -187,6 +188,7 @@ class Worker:
         else:
             logger.warning(f"grad norm is {grad_norm}; skipping the optimizer step")
         self.optimizer.zero_grad(set_to_none=True)
+        host_comm.trim(self.model)  # no pooled FSDP buffers between steps (rollouts, syncs)
         self.scheduler.step()
         return grad_norm
 

@@ -249,9 +249,11 @@ def test_attention_refuses_what_the_kernel_cannot_take():
 
 
 @needs_kernel
-def test_sft_with_head_dim_64_matches_sdpa_attention(assets, tmp_path):
+@pytest.mark.parametrize("sp", [1, 2])
+def test_sft_with_head_dim_64_matches_sdpa_attention(assets, tmp_path, sp):
     """The conftest model's heads are 8 wide (SDPA); with 64-wide heads the run's attention goes
-    through the kernel, and its losses and gradient norms match a run with the option off."""
+    through the kernel (with sp=2: each rank's own ring block), and its losses and gradient
+    norms match a run with the option off."""
     from RL2.tools.make_assets import build_tiny_model
 
     model = str(tmp_path / "model")
@@ -260,8 +262,8 @@ def test_sft_with_head_dim_64_matches_sdpa_attention(assets, tmp_path):
     runs = {}
     for fused in ("true", "false"):
         d = tmp_path / fused
-        run = run_trainer("sft", 1, sft_args(assets, "actor.dtype=float32", f"actor.model_name={model}",
-                                             f"actor.cpu_fused_ops={fused}"), d)
+        run = run_trainer("sft", sp, sft_args(assets, "actor.dtype=float32", f"actor.model_name={model}",
+                                              f"actor.cpu_fused_ops={fused}", f"actor.sp_size={sp}"), d)
         runs[fused] = d
         assert ("2 attentions and 2 rotary embeddings through" in run.stderr) == (fused == "true")
     for key in ("train/loss", "train/grad_norm", "test/loss"):

@@ -6,6 +6,7 @@ import torch.distributed as dist
 
 from tests.dist_utils import run_dist
 from RL2.parallel.attention import PackedContext, packed_kwargs, register
+from RL2.parallel import ring_attention as ring_module
 from RL2.parallel.ring_attention import ring_attention
 
 LENGTHS = [5, 13, 8, 1]  # padded per sequence to a multiple of 2 * sp
@@ -49,8 +50,8 @@ def reference_attention(q, k, v, lengths_padded):
     outs, start = [], 0
     for n in lengths_padded:
         qs, ks, vs = (x[start:start + n].transpose(0, 1) for x in (q, k, v))
-        ks, vs = (x.repeat_interleave(HQ // HKV, dim=0) for x in (ks, vs))
-        s = qs @ ks.transpose(1, 2) * DIM ** -0.5
+        ks, vs = (x.repeat_interleave(q.shape[1] // k.shape[1], dim=0) for x in (ks, vs))
+        s = qs @ ks.transpose(1, 2) * q.shape[-1] ** -0.5
         s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
         outs.append((s.softmax(-1) @ vs).transpose(0, 1))
         start += n
@@ -120,6 +121,51 @@ def assert_small(results):
             for dtype, errs in errors.items():
                 for name, err in errs.items():
                     assert err < tol[dtype], (dtype, name, err, rank_result)
+
+
+def _fused_ring(rank, world_size):
+    """fp32 ring attention with 64-wide heads, the own block in the kernel or in ATen's blocks:
+    max |error| of each against a float64 reference, and the kernel calls made."""
+    from RL2.utils import cpu_ops
+
+    calls = []
+    for name in ("attention_forward", "attention_backward"):
+        fn = getattr(ring_module, name)
+        setattr(ring_module, name, lambda *a, fn=fn, name=name: calls.append(name) or fn(*a))
+    lengths, hq, hkv, dim = [37, 90, 1, 20], 6, 2, 64
+    lp = padded(lengths, world_size)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(sum(lp), h, dim, generator=g, dtype=torch.float64) for h in (hq, hkv, hkv))
+    dout = torch.randn(sum(lp), hq, dim, generator=g, dtype=torch.float64)
+    ref_in = [x.clone().requires_grad_() for x in (q, k, v)]
+    ref = [reference_attention(*ref_in, lp)]
+    ref += torch.autograd.grad(ref[0], ref_in, dout)
+    errors = {}
+    for fused in (False, True):
+        local = [zigzag(x, lp, world_size, rank).float().requires_grad_() for x in (q, k, v)]
+        out = ring_attention(*local, local_cu_seqlens(lp, world_size), max(lp) // world_size,
+                             dist.group.WORLD, fused=fused)
+        out.backward(zigzag(dout, lp, world_size, rank).float())
+        got = [out] + [x.grad for x in local]
+        errors[fused] = [(a.double() - zigzag(b, lp, world_size, rank)).abs().max().item()
+                         for a, b in zip(got, ref)]
+    return errors, calls, cpu_ops.attention_takes(*(x[None].transpose(1, 2) for x in local))
+
+
+def test_ring_attention_runs_its_own_block_in_the_kernel():
+    """actor.cpu_fused_ops: a rank's own (causal) block of every local sequence goes through
+    the C kernel in one call forward and one backward (given the ring's final out and lse);
+    out, dq, dk and dv stay as close to float64 as ATen's blocks get (x 1.5)."""
+    from RL2.utils import small_gemm
+
+    if not small_gemm.available():
+        import pytest
+
+        pytest.skip("RL2's AVX-512 kernel not built here")
+    for errors, calls, takes in run_dist(_fused_ring, 2):
+        assert takes and calls == ["attention_forward", "attention_backward"]
+        for name, plain, fused in zip(("out", "dq", "dk", "dv"), errors[False], errors[True]):
+            assert fused <= 1.5 * plain + 1e-6, (name, plain, fused)
 
 
 def test_ring_attention_sp2_and_single_rank_groups():

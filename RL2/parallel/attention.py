@@ -149,7 +149,7 @@ def packed_attention_forward(
             raise NotImplementedError("attention dropout is not supported with ring attention")
         q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # (T, H, D)
         out = ring_attention(q, k, v, ctx.cu_seqlens, ctx.max_seqlen, ctx.sp_group, scale=scaling,
-                             host=ctx.ring_host)
+                             host=ctx.ring_host, fused=getattr(module, "rl2_fused_attention", False))
         return out[None], None
     flash = _flash_varlen() if flash_supported(query) else None
     if flash is not None:

@@ -14,7 +14,11 @@ around the ring again together with dK/dV accumulators, which arrive back at the
 hops, so dQ, dK and dV are exact. Every P2P exchange is waited for inside the call, so nothing is in
 flight when it returns; still put a `dist.barrier()` before `destroy_process_group` (gloo can abort
 at exit after P2P otherwise). A block runs ATen's CPU flash-attention kernel on the CPU; elsewhere
-it materialises a (heads, c, c) score matrix (a fallback: GPUs should use ring-flash-attn).
+it materialises a (heads, c, c) score matrix (a fallback: GPUs should use ring-flash-attn). With
+`fused` (actor.cpu_fused_ops: fp32, heads 64 or 128 wide) a rank's own block, every local
+sequence causal and the largest share of the work, is one call of RL2's C kernel each way
+(`cpu_ops.attention_forward / _backward`; ATen's kernel computes a causal block under ~1000 keys
+as a full square), its backward given the ring's final out and lse as ATen's is.
 
 On CUDA with `ring_flash_attn` installed, `ring_attention` calls its
 `zigzag_ring_flash_attn_varlen_func` instead (same zig-zag layout). Its signature and layout
@@ -31,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from RL2.parallel.host_comm import as_bytes
+from RL2.utils.cpu_ops import attention_backward, attention_forward, attention_takes
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +61,7 @@ def ring_attention(
     scale: float | None = None,
     use_flash: bool | None = None,
     host=None,
+    fused: bool = False,
 ) -> torch.Tensor:
     """Causal attention of zig-zag sharded packed sequences over the ranks of `group`.
 
@@ -64,6 +70,8 @@ def ring_attention(
     use_flash: None = ring-flash-attn when on CUDA with fp16/bf16 and installed; False = pure torch.
     host: a `host_comm.HostGroup` of `group` (CPU, ranks on one host): K/V blocks pass through
     its shared memory instead of gloo P2P.
+    fused: a rank's own block (every local sequence, causal) through RL2's C kernel when it
+    takes the tensors (`cpu_ops.attention_takes`; actor.cpu_fused_ops marks the modules).
     Returns (T, Hq, D) in q's dtype.
     """
     if group is None:
@@ -86,7 +94,9 @@ def ring_attention(
     for s, e in zip(bounds[:-1], bounds[1:]):
         if (e - s) % 2:
             raise ValueError(f"local sequence [{s}, {e}) has odd length: not a zig-zag shard")
-    return _RingAttention.apply(q, k, v, tuple(int(b) for b in bounds), float(scale), group, host)
+    fused = fused and attention_takes(*(x.transpose(0, 1)[None] for x in (q, k, v)))
+    return _RingAttention.apply(q, k, v, tuple(int(b) for b in bounds), float(scale), group, host,
+                                fused)
 
 
 class _Ring:
@@ -227,9 +237,14 @@ def _matmul_block_backward(dout, q, k, v, out, lse, scale, causal):
     return dq.transpose(0, 1), dk.transpose(0, 1), dv.transpose(0, 1)
 
 
+def _heads(q, kv):
+    """(T, H, D) q and the stacked (2, T, KH, D) K/V as the kernel's (heads, T, D) views."""
+    return q.transpose(0, 1), kv[0].transpose(0, 1), kv[1].transpose(0, 1)
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, bounds, scale, group, host):
+    def forward(ctx, q, k, v, bounds, scale, group, host, fused):
         ring = _Ring(group, host)
         sp, rank = ring.size, ring.rank
         cdt = torch.promote_types(q.dtype, torch.float32)  # softmax statistics in >= fp32
@@ -242,7 +257,9 @@ class _RingAttention(torch.autograd.Function):
         for step in range(sp):
             pending = ring.shift(kv) if step < sp - 1 else None  # overlap comm with compute
             (q_lo, q_hi), (k_lo, k_hi), causal = _step_block(rank, (rank - step) % sp)
-            for start, c in halves:
+            if step == 0 and fused:  # the own block: every local sequence, causal, one call
+                out, lse = attention_forward(*_heads(q32, kv), list(bounds), scale)
+            for start, c in (() if step == 0 and fused else halves):
                 qs = slice(start + q_lo * c, start + q_hi * c)
                 ks = slice(start + k_lo * c, start + k_hi * c)
                 blk_out, blk_lse = _block_forward(q32[qs], kv[0, ks], kv[1, ks], scale, causal)
@@ -258,7 +275,7 @@ class _RingAttention(torch.autograd.Function):
             if pending is not None:
                 kv = pending()
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.bounds, ctx.scale, ctx.group, ctx.host = bounds, scale, group, host
+        ctx.bounds, ctx.scale, ctx.group, ctx.host, ctx.fused = bounds, scale, group, host, fused
         return out.to(q.dtype)
 
     @staticmethod
@@ -277,7 +294,13 @@ class _RingAttention(torch.autograd.Function):
             pending = ring.shift(kv) if step < sp - 1 else None
             (q_lo, q_hi), (k_lo, k_hi), causal = _step_block(rank, (rank - step) % sp)
             dkv = torch.zeros((2, *k.shape), dtype=cdt, device=k.device)  # this rank's share
-            for start, c in halves:
+            if step == 0 and ctx.fused:
+                dq_b, dk_b, dv_b = attention_backward(dout, *_heads(q32, kv), out, lse,
+                                                      list(ctx.bounds), scale)
+                dq += dq_b
+                dkv[0] += dk_b
+                dkv[1] += dv_b
+            for start, c in (() if step == 0 and ctx.fused else halves):
                 qs = slice(start + q_lo * c, start + q_hi * c)
                 ks = slice(start + k_lo * c, start + k_hi * c)
                 dq_b, dk_b, dv_b = _block_backward(dout[qs], q32[qs], kv[0, ks], kv[1, ks],
@@ -294,4 +317,5 @@ class _RingAttention(torch.autograd.Function):
                 dkv += incoming()
             incoming = ring.shift(dkv)
         dkv = incoming()
-        return (dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None)
+        return (dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None,
+                None)

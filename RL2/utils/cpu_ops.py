@@ -225,52 +225,73 @@ def _heads_view(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
+def attention_forward(q3: torch.Tensor, k3: torch.Tensor, v3: torch.Tensor, bounds: list[int],
+                      scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's causal attention inside each [start, end) of `bounds` (0 to T): q3 (H, T, D),
+    k3 and v3 (KH, T, D) views with D contiguous -> out (T, H, D) and its log-sum-exp (H, T)."""
+    lib = small_gemm.load()[0]
+    if k3.stride() != v3.stride():  # the kernel reads both with one set of strides
+        k3, v3 = k3.contiguous(), v3.contiguous()
+    (heads, T, D), kv_heads = q3.shape, k3.shape[0]
+    b, items = torch.tensor(bounds, dtype=torch.int64), _attention_items(bounds, heads)
+    out, lse = q3.new_empty(T, heads, D), q3.new_empty(heads, T)
+    # no more threads than work items: each thread gets scratch for the longest sequence
+    threads, cap = min(torch.get_num_threads(), items.numel()), _panel_floats(bounds, D)
+    scratch = q3.new_empty(threads * cap)
+    lib.rl2_attn_fwd(q3.data_ptr(), q3.stride(0), q3.stride(1), k3.data_ptr(), v3.data_ptr(),
+                     k3.stride(0), k3.stride(1), heads, kv_heads, D, T, b.data_ptr(),
+                     items.data_ptr(), items.numel(), float(scale), scratch.data_ptr(), cap,
+                     out.data_ptr(), lse.data_ptr(), threads)
+    return out, lse
+
+
+def attention_backward(dout: torch.Tensor, q3: torch.Tensor, k3: torch.Tensor, v3: torch.Tensor,
+                       out: torch.Tensor, lse: torch.Tensor, bounds: list[int], scale: float):
+    """dq (T, H, D), dk and dv (T, KH, D) of `attention_forward`'s inputs for dout (T, H, D),
+    given the out and lse the softmax is normalised with: its own, or a ring's final ones (then
+    these are this block's shares, as in flash-attention's backward)."""
+    lib = small_gemm.load()[0]
+    if k3.stride() != v3.stride():
+        k3, v3 = k3.contiguous(), v3.contiguous()
+    (heads, T, D), kv_heads = q3.shape, k3.shape[0]
+    b, items = torch.tensor(bounds, dtype=torch.int64), _attention_items(bounds, heads)
+    groups, threads = heads // kv_heads, min(torch.get_num_threads(), items.numel())
+    cap = _panel_floats(bounds, D)
+    dout = dout.contiguous()
+    dq = torch.empty_like(out)
+    dk_part, dv_part = (q3.new_empty(groups, T, kv_heads, D) for _ in range(2))
+    scratch = q3.new_empty(threads * 4 * cap)
+    lib.rl2_attn_bwd(q3.data_ptr(), q3.stride(0), q3.stride(1), k3.data_ptr(), v3.data_ptr(),
+                     k3.stride(0), k3.stride(1), out.data_ptr(), dout.data_ptr(), lse.data_ptr(),
+                     heads, kv_heads, D, T, b.data_ptr(), items.data_ptr(), items.numel(),
+                     float(scale), scratch.data_ptr(), cap, dq.data_ptr(), dk_part.data_ptr(),
+                     dv_part.data_ptr(), threads)
+    if groups == 1:
+        return dq, dk_part[0], dv_part[0]
+    # each query head of a group added its share: sum them in head order
+    dk, dv = (q3.new_empty(T, kv_heads, D) for _ in range(2))
+    for part, dst in ((dk_part, dk), (dv_part, dv)):
+        lib.rl2_attn_sum(part.data_ptr(), groups, dst.numel(), dst.data_ptr(), threads)
+    return dq, dk, dv
+
+
 class CausalAttentionFunction(torch.autograd.Function):
     """softmax(scale q k^T) v, causal inside each [start, end) of `bounds`, in the kernel
     (rl2_attn_fwd / rl2_attn_bwd); q (1, H, T, D), k and v (1, KH, T, D) -> (1, T, H, D)."""
 
     @staticmethod
     def forward(ctx, q, k, v, bounds, scale):
-        lib = small_gemm.load()[0]
         q3, k3, v3 = (_heads_view(t.detach()) for t in (q, k, v))
-        if k3.stride() != v3.stride():  # the kernel reads both with one set of strides
-            k3, v3 = k3.contiguous(), v3.contiguous()
-        (heads, T, D), kv_heads = q3.shape, k3.shape[0]
-        b, items = torch.tensor(bounds, dtype=torch.int64), _attention_items(bounds, heads)
-        out, lse = q3.new_empty(T, heads, D), q3.new_empty(heads, T)
-        # no more threads than work items: each thread gets scratch for the longest sequence
-        threads, cap = min(torch.get_num_threads(), items.numel()), _panel_floats(bounds, D)
-        scratch = q3.new_empty(threads * cap)
-        lib.rl2_attn_fwd(q3.data_ptr(), q3.stride(0), q3.stride(1), k3.data_ptr(), v3.data_ptr(),
-                         k3.stride(0), k3.stride(1), heads, kv_heads, D, T, b.data_ptr(),
-                         items.data_ptr(), items.numel(), float(scale), scratch.data_ptr(), cap,
-                         out.data_ptr(), lse.data_ptr(), threads)
-        ctx.save_for_backward(q3, k3, v3, out, lse, b, items)
-        ctx.scale, ctx.cap = float(scale), cap
+        out, lse = attention_forward(q3, k3, v3, bounds, scale)
+        ctx.save_for_backward(q3, k3, v3, out, lse)
+        ctx.bounds, ctx.scale = bounds, float(scale)
         return out[None]
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad: torch.Tensor):
-        q3, k3, v3, out, lse, b, items = ctx.saved_tensors
-        lib = small_gemm.load()[0]
-        (heads, T, D), kv_heads = q3.shape, k3.shape[0]
-        groups, threads = heads // kv_heads, min(torch.get_num_threads(), items.numel())
-        dout = grad[0].contiguous()
-        dq = torch.empty_like(out)
-        dk_part, dv_part = (q3.new_empty(groups, T, kv_heads, D) for _ in range(2))
-        scratch = q3.new_empty(threads * 4 * ctx.cap)
-        lib.rl2_attn_bwd(q3.data_ptr(), q3.stride(0), q3.stride(1), k3.data_ptr(), v3.data_ptr(),
-                         k3.stride(0), k3.stride(1), out.data_ptr(), dout.data_ptr(), lse.data_ptr(),
-                         heads, kv_heads, D, T, b.data_ptr(), items.data_ptr(), items.numel(),
-                         ctx.scale, scratch.data_ptr(), ctx.cap, dq.data_ptr(), dk_part.data_ptr(),
-                         dv_part.data_ptr(), threads)
-        if groups == 1:
-            dk, dv = dk_part[0], dv_part[0]
-        else:  # each query head of a group added its share: sum them in head order
-            dk, dv = (q3.new_empty(T, kv_heads, D) for _ in range(2))
-            for part, dst in ((dk_part, dk), (dv_part, dv)):
-                lib.rl2_attn_sum(part.data_ptr(), groups, dst.numel(), dst.data_ptr(), threads)
+        q3, k3, v3, out, lse = ctx.saved_tensors
+        dq, dk, dv = attention_backward(grad[0], q3, k3, v3, out, lse, ctx.bounds, ctx.scale)
         return (dq.transpose(0, 1)[None], dk.transpose(0, 1)[None], dv.transpose(0, 1)[None],
                 None, None)
 

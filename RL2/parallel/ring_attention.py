@@ -91,6 +91,8 @@ def ring_attention(
     bounds = cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else list(cu_seqlens)
     if bounds[-1] != q.shape[0]:
         raise ValueError(f"cu_seqlens end at {bounds[-1]} but the shard has {q.shape[0]} tokens")
+    if bounds[0] != 0 or any(a > b for a, b in zip(bounds, bounds[1:])):
+        raise ValueError(f"cu_seqlens must rise from 0, got {bounds}")
     for s, e in zip(bounds[:-1], bounds[1:]):
         if (e - s) % 2:
             raise ValueError(f"local sequence [{s}, {e}) has odd length: not a zig-zag shard")
@@ -250,8 +252,9 @@ class _RingAttention(torch.autograd.Function):
         cdt = torch.promote_types(q.dtype, torch.float32)  # softmax statistics in >= fp32
         q32 = q.to(cdt)
         T, H, _ = q.shape
-        out = torch.zeros(q.shape, dtype=cdt, device=q.device)
-        lse = torch.full((H, T), float("-inf"), dtype=cdt, device=q.device)
+        if not fused:  # else the kernel's own block makes them
+            out = torch.zeros(q.shape, dtype=cdt, device=q.device)
+            lse = torch.full((H, T), float("-inf"), dtype=cdt, device=q.device)
         halves = _halves(bounds)
         kv = torch.stack([k, v]).to(cdt)
         for step in range(sp):

@@ -225,13 +225,20 @@ def _heads_view(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
+def _kernel_views(q3, k3, v3):
+    """(heads, T, D) views as the kernel reads them: D contiguous, k and v one set of strides."""
+    q3 = q3 if q3.stride(-1) == 1 else q3.contiguous()
+    if k3.stride(-1) != 1 or k3.stride() != v3.stride():
+        k3, v3 = k3.contiguous(), v3.contiguous()
+    return q3, k3, v3
+
+
 def attention_forward(q3: torch.Tensor, k3: torch.Tensor, v3: torch.Tensor, bounds: list[int],
                       scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernel's causal attention inside each [start, end) of `bounds` (0 to T): q3 (H, T, D),
     k3 and v3 (KH, T, D) views with D contiguous -> out (T, H, D) and its log-sum-exp (H, T)."""
     lib = small_gemm.load()[0]
-    if k3.stride() != v3.stride():  # the kernel reads both with one set of strides
-        k3, v3 = k3.contiguous(), v3.contiguous()
+    q3, k3, v3 = _kernel_views(q3, k3, v3)
     (heads, T, D), kv_heads = q3.shape, k3.shape[0]
     b, items = torch.tensor(bounds, dtype=torch.int64), _attention_items(bounds, heads)
     out, lse = q3.new_empty(T, heads, D), q3.new_empty(heads, T)
@@ -251,14 +258,13 @@ def attention_backward(dout: torch.Tensor, q3: torch.Tensor, k3: torch.Tensor, v
     given the out and lse the softmax is normalised with: its own, or a ring's final ones (then
     these are this block's shares, as in flash-attention's backward)."""
     lib = small_gemm.load()[0]
-    if k3.stride() != v3.stride():
-        k3, v3 = k3.contiguous(), v3.contiguous()
+    q3, k3, v3 = _kernel_views(q3, k3, v3)
     (heads, T, D), kv_heads = q3.shape, k3.shape[0]
     b, items = torch.tensor(bounds, dtype=torch.int64), _attention_items(bounds, heads)
     groups, threads = heads // kv_heads, min(torch.get_num_threads(), items.numel())
     cap = _panel_floats(bounds, D)
-    dout = dout.contiguous()
-    dq = torch.empty_like(out)
+    dout, out, lse = dout.contiguous(), out.contiguous(), lse.contiguous()
+    dq = q3.new_empty(T, heads, D)
     dk_part, dv_part = (q3.new_empty(groups, T, kv_heads, D) for _ in range(2))
     scratch = q3.new_empty(threads * 4 * cap)
     lib.rl2_attn_bwd(q3.data_ptr(), q3.stride(0), q3.stride(1), k3.data_ptr(), v3.data_ptr(),

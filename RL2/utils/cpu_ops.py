@@ -219,12 +219,6 @@ def _panel_floats(bounds: list[int], d: int) -> int:
     return -(-longest // 32) * 32 * d
 
 
-def _heads_view(t: torch.Tensor) -> torch.Tensor:
-    """(1, heads, T, D) -> (heads, T, D), with d contiguous (HF's projections are viewed so)."""
-    t = t[0]
-    return t if t.stride(-1) == 1 else t.contiguous()
-
-
 def _kernel_views(q3, k3, v3):
     """(heads, T, D) views as the kernel reads them: D contiguous, k and v one set of strides."""
     q3 = q3 if q3.stride(-1) == 1 else q3.contiguous()
@@ -287,7 +281,8 @@ class CausalAttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, bounds, scale):
-        q3, k3, v3 = (_heads_view(t.detach()) for t in (q, k, v))
+        # the views the kernel reads, made once: the backward reuses them
+        q3, k3, v3 = _kernel_views(*(t[0].detach() for t in (q, k, v)))
         out, lse = attention_forward(q3, k3, v3, bounds, scale)
         ctx.save_for_backward(q3, k3, v3, out, lse)
         ctx.bounds, ctx.scale = bounds, float(scale)
@@ -343,6 +338,11 @@ def _attention_agrees() -> bool:
     return True
 
 
+def _is_attention(module: torch.nn.Module) -> bool:
+    """An HF attention module (Llama family and kin)."""
+    return all(hasattr(module, a) for a in ("is_causal", "head_dim", "num_key_value_groups"))
+
+
 def use_attention(model: torch.nn.Module) -> int:
     """Let RL2's packed attention (RL2/parallel/attention.py) run the causal attention of
     `model`'s attention modules through the kernel (marked `rl2_fused_attention`; inputs the
@@ -354,7 +354,7 @@ def use_attention(model: torch.nn.Module) -> int:
             return 0
     n = 0
     for module in model.modules():
-        if all(hasattr(module, a) for a in ("is_causal", "head_dim", "num_key_value_groups")):
+        if _is_attention(module):
             module.rl2_fused_attention = True
             n += 1
     return n
@@ -382,7 +382,7 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: int)
     if not (rows.stride(3) == 1 and (b == 1 or t == 1 or rows.stride(0) == t * ldx)):
         rows, ldx = rows.contiguous(), h * d
     y = torch.empty_strided((b, h, t, d), (t * h * d, d, h * d, 1), dtype=x.dtype)
-    small_gemm.load()[0].rl2_rope_train(
+    small_gemm.load()[0].rl2_rope(
         rows.data_ptr(), ldx, rows.stride(2), y.data_ptr(), h * d, b * t, h, d,
         cos.data_ptr(), sin.data_ptr(), inverse, torch.get_num_threads())
     return y
@@ -390,7 +390,7 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: int)
 
 class RopeFunction(torch.autograd.Function):
     """HF's apply_rotary_pos_emb (x cos + rotate_half(x) sin) of q and k in the kernel
-    (rl2_rope_train): one pass per tensor forward and backward instead of five ops each."""
+    (rl2_rope): one pass per tensor forward and backward instead of five ops each."""
 
     @staticmethod
     def forward(ctx, q, k, cos, sin):
@@ -449,7 +449,7 @@ def use_rope(model: torch.nn.Module) -> int:
         return 0
     n = 0
     for module in model.modules():
-        if not all(hasattr(module, a) for a in ("is_causal", "head_dim", "num_key_value_groups")):
+        if not _is_attention(module):
             continue
         # the globals its forward reads (an inherited forward's module; FSDP's wrapper class
         # keeps the model's forward; HF's decorators wrap it)

@@ -380,27 +380,14 @@ void rl2_silu_mul(const float* gu, int64_t M, int64_t N, float* y, int threads) 
     }
 }
 
-/* The first `heads` heads (D columns each, D a multiple of 32) of M rows of y (row stride ld)
- * rotated in place as HF's apply_rotary_pos_emb rotates a head; cos, sin: M x D */
-void rl2_rope(float* y, int64_t M, int64_t ld, int64_t heads, int64_t D, const float* cos,
-              const float* sin, int threads) {
-  int64_t half = D / 2;
-#pragma omp parallel for num_threads(threads) schedule(static)
-  for (int64_t m = 0; m < M; m++)
-    for (int64_t j = 0; j < heads; j++)
-      for (int64_t c = 0; c < half; c += 16) {
-        float* p = y + m * ld + j * D + c;
-        rotate16(_mm512_loadu_ps(p), _mm512_loadu_ps(p + half), cos + m * D + c, sin + m * D + c,
-                 half, p, half);
-      }
-}
-
-/* Training's rotary embedding (HF's apply_rotary_pos_emb, one pass instead of PyTorch's five
- * forward and five backward ops): M token rows of `heads` heads, head j of row m at
- * x + m * ldx + j * hs (D floats, D a multiple of 32), to y the same way (ldy, D per head);
- * cos, sin: M x D. Forward: y1 = x1 cos1 - x2 sin1, y2 = x2 cos2 + x1 sin2 (halves 1 and 2 of
- * a head). Backward (inverse), its transpose: x1 = y1 cos1 + y2 sin2, x2 = y2 cos2 - y1 sin1. */
-void rl2_rope_train(const float* x, int64_t ldx, int64_t hs, float* y, int64_t ldy, int64_t M,
+/* The rotary embedding as HF's apply_rotary_pos_emb rotates a head: M token rows of `heads`
+ * heads, head j of row m at x + m * ldx + j * hs (D floats, D a multiple of 32), to y the same
+ * way (ldy, D per head; y may be x: each lane pair is read before it is written); cos, sin:
+ * M x D. The prefill rotates its projections in place; training (one pass instead of
+ * PyTorch's five forward and five backward ops) writes a new tensor. Forward: y1 = x1 cos1 -
+ * x2 sin1, y2 = x2 cos2 + x1 sin2 (halves 1 and 2 of a head). Backward (inverse), its
+ * transpose: x1 = y1 cos1 + y2 sin2, x2 = y2 cos2 - y1 sin1. */
+void rl2_rope(const float* x, int64_t ldx, int64_t hs, float* y, int64_t ldy, int64_t M,
                     int64_t heads, int64_t D, const float* cos, const float* sin, int inverse,
                     int threads) {
   int64_t half = D / 2;

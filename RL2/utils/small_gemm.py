@@ -157,8 +157,7 @@ def load():
         lib.rl2_decode_layer.restype = None
         lib.rl2_rms_norm.argtypes = [p, i, i, p, f, p, ctypes.c_int]
         lib.rl2_silu_mul.argtypes = [p, i, i, p, ctypes.c_int]
-        lib.rl2_rope.argtypes = [p, i, i, i, i, p, p, ctypes.c_int]
-        lib.rl2_rope_train.argtypes = [p, i, i, p, i, i, i, i, p, p, ctypes.c_int, ctypes.c_int]
+        lib.rl2_rope.argtypes = [p, i, i, p, i, i, i, i, p, p, ctypes.c_int, ctypes.c_int]
         lib.rl2_rms_norm_fwd.argtypes = [p, i, i, p, f, p, p, ctypes.c_int]
         lib.rl2_rms_norm_bwd.argtypes = [p, p, p, p, i, i, p, p, p, ctypes.c_int]
         lib.rl2_glu_fwd.argtypes = [p, p, i, p, ctypes.c_int]
@@ -168,8 +167,7 @@ def load():
         lib.rl2_attn_bwd.argtypes = [p, i, i, p, p, i, i, p, p, p, i, i, i, i, p, p, i, f, p, i, p, p,
                                      p, ctypes.c_int]
         lib.rl2_attn_sum.argtypes = [p, i, i, p, ctypes.c_int]
-        for fn in (lib.rl2_rms_norm, lib.rl2_silu_mul, lib.rl2_rope, lib.rl2_rope_train,
-                   lib.rl2_rms_norm_fwd,
+        for fn in (lib.rl2_rms_norm, lib.rl2_silu_mul, lib.rl2_rope, lib.rl2_rms_norm_fwd,
                    lib.rl2_rms_norm_bwd, lib.rl2_glu_fwd, lib.rl2_glu_bwd, lib.rl2_attn_fwd,
                    lib.rl2_attn_bwd, lib.rl2_attn_sum):
             fn.restype = None
@@ -418,6 +416,7 @@ def rope_(y: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int) -> 
     if (lib is None or y.dim() != 2 or cos.shape != (y.shape[0], d) or sin.shape != cos.shape
             or d % 32 or heads * d > y.shape[1] or not _plain(y, cos, sin)):
         return None
-    lib.rl2_rope(y.data_ptr(), y.shape[0], y.shape[1], heads, d, cos.data_ptr(), sin.data_ptr(),
-                 torch.get_num_threads())
+    ld = y.shape[1]
+    lib.rl2_rope(y.data_ptr(), ld, d, y.data_ptr(), ld, y.shape[0], heads, d, cos.data_ptr(),
+                 sin.data_ptr(), 0, torch.get_num_threads())
     return y

@@ -62,6 +62,39 @@ def test_same_bits_with_any_thread_count():
     _same_bits_with_1_2_3_threads(lambda: small_gemm.linear(x, packed, 304))
 
 
+@needs_kernel
+@pytest.mark.parametrize("mode", ["plain", "bias+res", "norm", "glu", "rope", "odd strip"])
+def test_rows_give_the_same_bits_alone_and_in_any_group(mode):
+    # more than 12 rows go in groups whose passes take turns over chunks of k, the sums carried
+    # between chunks (fix 35): each row's sums still run over k in order, so a row alone (one
+    # pass, no chunks) and the same row among 1, 13, 48 (one group) or 100 (groups of 48, 48
+    # and 4) rows give the same bits, at k not a multiple of the 64-step chunk
+    g = torch.Generator().manual_seed(len(mode))
+    heads, d, k = 3, 64, 200
+    n = 48 if mode == "odd strip" else heads * d + 40
+    w, b, u = torch.randn(n, k, generator=g), torch.randn(n, generator=g), torch.randn(n, k, generator=g)
+    x, res = torch.randn(100, k, generator=g), torch.randn(100, n, generator=g)
+    norm = (torch.randn(k, generator=g), 1e-6)
+    cos, sin = _rotary(100, d, g)
+    packed = small_gemm.pack_glu(w, u) if mode == "glu" else small_gemm.pack(w)
+
+    def run(i, j):
+        kw = dict(bias=b)
+        if mode == "bias+res":
+            kw["res"] = res[i:j]
+        elif mode == "norm":
+            kw["norm"] = norm
+        elif mode == "glu":
+            kw.update(bias=small_gemm.pack_glu_bias(b, None), glu=True, norm=norm)
+        elif mode == "rope":
+            kw["rope"] = (cos[i:j], sin[i:j], heads)
+        return small_gemm.linear(x[i:j], packed, n, **kw)
+
+    alone = torch.cat([run(i, i + 1) for i in range(100)])
+    for i, j in [(0, 13), (13, 61), (0, 100)]:
+        assert torch.equal(run(i, j), alone[i:j]), (mode, i, j)
+
+
 def _same_bits_with_1_2_3_threads(fn):
     before, outs = torch.get_num_threads(), []
     try:

@@ -7,7 +7,10 @@
  * W[16s : 16s + 16, :]^T as K rows of 16 floats, zero rows past N; small_gemm.py packs it). A
  * panel is two adjacent strips (32 columns, the last panel may be one strip); up to 12 rows of x
  * are multiplied against a panel at once, one zmm accumulator per row and strip (24 of the 32
- * registers), and further rows re-read the panel from cache. Panels are shared out among OpenMP
+ * registers), and further rows re-read the panel from cache: in groups of up to 48 rows whose
+ * passes take turns over chunks of 64 k, so that the weights stream in while the passes compute
+ * (one core has too few outstanding misses to fetch a panel at the pace of one 12-row pass, and
+ * fetched nothing during the passes after it: fix 35). Panels are shared out among OpenMP
  * threads (PyTorch's own libgomp: small_gemm.py links it). Sums run over k in order, one fused
  * multiply-add per step: fp32 throughout, rounded differently from a blocked BLAS, and the same
  * bits with any thread count. Built by small_gemm.py with -O3 -mavx512f -mfma -fopenmp.
@@ -22,6 +25,8 @@
 
 #define ROWS 12 /* rows per pass */
 #define AHEAD 64 /* prefetch distance in k (4 KiB of a strip; 16 was 5-20% slower, fix 27) */
+#define GROUP 48 /* rows whose passes take turns over a panel's chunks of k (fix 35) */
+#define KC 64    /* k per chunk: 8 KiB of a panel, held in L1 through the group's passes */
 
 /* The lanes of a 16-float chunk that hold data when `left` floats remain */
 static inline __mmask16 tail16(int64_t left) {
@@ -68,19 +73,36 @@ typedef struct {
   __mmask16 mask;    /* valid columns of the panel's last strip */
 } epilogue;
 
-/* R rows of x against strips w0 and w1 (w1 NULL: one strip) into y (row stride ldy) */
+/* R rows of x against strips w0 and w1 (w1 NULL: one strip) over k in [k0, k1): the sums start
+ * from the bias at k0 = 0, else from acc (R x 32 floats, where the previous chunk left them),
+ * and go back to acc unless k1 = K, then finished into y (row stride ldy). Every `every`-th
+ * step prefetches the next line of p0 and of p1 (the weights to be read next, see below). */
 #define PANEL(R)                                                                                 \
-  static void panel_##R(const float* x, int64_t K, const float* w0, const float* w1, float* y,  \
-                        int64_t ldy, const epilogue* e) {                                        \
+  static void panel_##R(const float* x, int64_t K, int64_t k0, int64_t k1, const float* w0,     \
+                        const float* w1, float* acc, float* y, int64_t ldy, const epilogue* e,   \
+                        const float* p0, const float* p1, int every) {                           \
+    int cnt = every;                                                                             \
     __m512 a0[R], a1[R];                                                                         \
     __mmask16 mask = e->mask, m0 = w1 ? (__mmask16)0xFFFF : mask;                                \
-    __m512 b0 = e->bias ? _mm512_maskz_loadu_ps(m0, e->bias) : _mm512_setzero_ps();              \
-    __m512 b1 = e->bias && w1 ? _mm512_maskz_loadu_ps(mask, e->bias + 16) : _mm512_setzero_ps(); \
-    for (int r = 0; r < R; r++) { a0[r] = b0; a1[r] = b1; }                                      \
+    if (k0) {                                                                                    \
+      for (int r = 0; r < R; r++) {                                                              \
+        a0[r] = _mm512_loadu_ps(acc + 32 * r);                                                   \
+        a1[r] = _mm512_loadu_ps(acc + 32 * r + 16);                                              \
+      }                                                                                          \
+    } else {                                                                                     \
+      __m512 b0 = e->bias ? _mm512_maskz_loadu_ps(m0, e->bias) : _mm512_setzero_ps();            \
+      __m512 b1 = e->bias && w1 ? _mm512_maskz_loadu_ps(mask, e->bias + 16) : _mm512_setzero_ps(); \
+      for (int r = 0; r < R; r++) { a0[r] = b0; a1[r] = b1; }                                    \
+    }                                                                                            \
     if (w1) {                                                                                    \
-      for (int64_t k = 0; k < K; k++) {                                                          \
-        _mm_prefetch((const char*)(w0 + (k + AHEAD) * 16), _MM_HINT_T0);                         \
-        _mm_prefetch((const char*)(w1 + (k + AHEAD) * 16), _MM_HINT_T0);                         \
+      for (int64_t k = k0; k < k1; k++) {                                                        \
+        if (--cnt == 0) {                                                                        \
+          cnt = every;                                                                           \
+          _mm_prefetch((const char*)p0, _MM_HINT_T0);                                            \
+          _mm_prefetch((const char*)p1, _MM_HINT_T0);                                            \
+          p0 += 16;                                                                              \
+          p1 += 16;                                                                              \
+        }                                                                                        \
         __m512 u = _mm512_loadu_ps(w0 + k * 16), v = _mm512_loadu_ps(w1 + k * 16);               \
         for (int r = 0; r < R; r++) {                                                            \
           __m512 s = _mm512_set1_ps(x[r * K + k]);                                               \
@@ -88,13 +110,25 @@ typedef struct {
           a1[r] = _mm512_fmadd_ps(s, v, a1[r]);                                                  \
         }                                                                                        \
       }                                                                                          \
-      for (int r = 0; r < R; r++) finish_two(a0[r], a1[r], y + r * ldy, r, ldy, e);              \
     } else {                                                                                     \
-      for (int64_t k = 0; k < K; k++) {                                                          \
-        _mm_prefetch((const char*)(w0 + (k + AHEAD) * 16), _MM_HINT_T0);                         \
+      for (int64_t k = k0; k < k1; k++) {                                                        \
+        if (--cnt == 0) {                                                                        \
+          cnt = every;                                                                           \
+          _mm_prefetch((const char*)p0, _MM_HINT_T0);                                            \
+          p0 += 16;                                                                              \
+        }                                                                                        \
         __m512 u = _mm512_loadu_ps(w0 + k * 16);                                                 \
         for (int r = 0; r < R; r++) a0[r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * K + k]), u, a0[r]); \
       }                                                                                          \
+    }                                                                                            \
+    if (k1 < K) {                                                                                \
+      for (int r = 0; r < R; r++) {                                                              \
+        _mm512_storeu_ps(acc + 32 * r, a0[r]);                                                   \
+        _mm512_storeu_ps(acc + 32 * r + 16, a1[r]);                                              \
+      }                                                                                          \
+    } else if (w1) {                                                                             \
+      for (int r = 0; r < R; r++) finish_two(a0[r], a1[r], y + r * ldy, r, ldy, e);              \
+    } else {                                                                                     \
       for (int r = 0; r < R; r++) {                                                              \
         if (e->res) a0[r] = _mm512_add_ps(_mm512_maskz_loadu_ps(mask, e->res + r * ldy), a0[r]); \
         _mm512_mask_storeu_ps(y + r * ldy, mask, a0[r]);                                         \
@@ -134,8 +168,8 @@ static inline void finish_two(__m512 a0, __m512 a1, float* y, int r, int64_t ldy
 PANEL(1) PANEL(2) PANEL(3) PANEL(4) PANEL(5) PANEL(6)
 PANEL(7) PANEL(8) PANEL(9) PANEL(10) PANEL(11) PANEL(12)
 
-typedef void (*panel_fn)(const float*, int64_t, const float*, const float*, float*, int64_t,
-                         const epilogue*);
+typedef void (*panel_fn)(const float*, int64_t, int64_t, int64_t, const float*, const float*,
+                         float*, float*, int64_t, const epilogue*, const float*, const float*, int);
 static const panel_fn PANELS[ROWS + 1] = {0, panel_1, panel_2, panel_3, panel_4, panel_5, panel_6,
                                           panel_7, panel_8, panel_9, panel_10, panel_11, panel_12};
 
@@ -174,6 +208,7 @@ void rl2_small_gemm(const float* x, int64_t M, int64_t K, const float* w, int64_
   const float* a = norm_w ? h : x;
 #pragma omp parallel num_threads(threads)
   {
+    float acc[GROUP * 32]; /* a group's sums between chunks */
     if (norm_w) {
 #pragma omp for schedule(static)
       for (int64_t m = 0; m < M; m++) rms_row(x + m * K, K, norm_w, eps, h + m * K);
@@ -198,15 +233,37 @@ void rl2_small_gemm(const float* x, int64_t M, int64_t K, const float* w, int64_
       e.mask = tail16(last);
       const float* w0 = w + s * 16 * K;
       const float* w1 = two ? w0 + 16 * K : 0;
-      for (int64_t m = 0; m < M; m += ROWS) {
-        int64_t rows = M - m < ROWS ? M - m : ROWS;
-        epilogue em = e;
-        em.res = res ? res + m * N + n0 : 0;
-        if (e.cos) {
-          em.cos = e.cos + m * head_dim;
-          em.sin = e.sin + m * head_dim;
+      /* the panel's next one, where this thread most likely goes on (static schedule) */
+      const float* next = w0 + (two ? 32 : 16) * K;
+      for (int64_t g = 0; g < M; g += GROUP) {
+        int64_t gm = M - g < GROUP ? M - g : GROUP, passes = (gm + ROWS - 1) / ROWS;
+        int64_t kc = passes > 1 ? KC : K;
+        for (int64_t k0 = 0; k0 < K; k0 += kc) {
+          int64_t k1 = K - k0 < kc ? K : k0 + kc;
+          for (int64_t i = 0; i < passes; i++) {
+            int64_t m = g + i * ROWS, rows = g + gm - m < ROWS ? g + gm - m : ROWS;
+            epilogue em = e;
+            em.res = res ? res + m * N + n0 : 0;
+            if (e.cos) {
+              em.cos = e.cos + m * head_dim;
+              em.sin = e.sin + m * head_dim;
+            }
+            /* one pass: prefetch AHEAD steps ahead. Several: each pass prefetches its share
+             * of the next chunk (or of the next panel's first), so that the weights stream
+             * in all through the chunk's passes, not in one burst that the core's few
+             * outstanding misses cannot take (fix 35) */
+            const float *p0 = w0 + AHEAD * 16, *p1 = (w1 ? w1 : w0) + AHEAD * 16;
+            int every = 1;
+            if (passes > 1) {
+              int64_t skip = (k1 - k0) * i / passes;
+              p0 = k1 < K ? w0 + (k1 + skip) * 16 : next + skip * 16;
+              p1 = k1 < K ? (w1 ? w1 : w0) + (k1 + skip) * 16 : next + (16 * K) + skip * 16;
+              every = (int)passes;
+            }
+            PANELS[rows](a + m * K, K, k0, k1, w0, w1, acc + 32 * (m - g), y + m * N + n0, N,
+                         &em, p0, p1, every);
+          }
         }
-        PANELS[rows](a + m * K, K, w0, w1, y + m * N + n0, N, &em);
       }
     }
   }
@@ -513,7 +570,7 @@ static void tile(const float* Qb, const float* Pn, int64_t D, float* S) {
   epilogue e = {0};
   e.off1 = 16;
   e.mask = (__mmask16)0xFFFF;
-  panel_12(Qb, D, Pn, Pn + D * 16, S, KP, &e);
+  panel_12(Qb, D, 0, D, Pn, Pn + D * 16, 0, S, KP, &e, Pn + AHEAD * 16, Pn + (D + AHEAD) * 16, 1);
 }
 
 /* The keys [j0, j0 + n) of one KV head as a panel: two strips of 16 (D x 16 each, the products'

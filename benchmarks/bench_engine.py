@@ -198,7 +198,7 @@ def main():
                              "eager ops (before fix 26), alternating in this run")
     parser.add_argument("--ab-whole-layer", action="store_true",
                         help="also time an engine that runs the kernel's fused ops one call at a "
-                             "time, without decode_layer (before fix 27), alternating in this run")
+                             "time, without decode_layers (before fix 27), alternating in this run")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model = build_model(args)
@@ -210,7 +210,7 @@ def main():
         label = ("oneDNN engine" if args.ab_small_gemm else "unfused engine" if args.ab_fused
                  else "op-by-op engine")
         if args.ab_fused or args.ab_whole_layer:  # llama_forward then runs them one by one
-            other.runner.linear.decode_layer = None
+            other.runner.linear.decode_layers = None
         if args.ab_fused:  # and as eager ops
             other.runner.linear.fused = other.runner.linear.attention = None
     rows = []

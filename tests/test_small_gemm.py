@@ -421,23 +421,23 @@ def _counting(pl, name, calls):
 
 
 def _two_paths():
-    """(a PackedLinears whose decode_layer calls are counted into `calls`, one without
-    decode_layer: op by op), calls"""
+    """(a PackedLinears whose decode_layers calls are counted into `calls`, one without
+    decode_layers: op by op), calls"""
     whole, op_by_op, calls = onednn.PackedLinears(small=True), onednn.PackedLinears(small=True), []
-    _counting(whole, "decode_layer", calls)
-    op_by_op.decode_layer = None
+    _counting(whole, "decode_layers", calls)
+    op_by_op.decode_layers = None
     return (whole, op_by_op), calls
 
 
 @needs_kernel
 def test_decoder_layers_with_the_kernels_fused_ops_match_hf():
     # llama_forward hands each layer's RMSNorms, rotary, residual adds and SiLU(gate) * up to
-    # the kernel: with the product at the decode steps (here op by op, without decode_layer),
+    # the kernel: with the product at the decode steps (here op by op, without decode_layers),
     # as passes of their own around oneDNN's product in the prefill (180 rows); both must
     # still give HF's logits
     model = _model(5)
     pl, calls = onednn.PackedLinears(small=True), []
-    pl.decode_layer = None
+    pl.decode_layers = None
     _counting(pl, "fused", calls)
     ids = torch.randint(4, 512, (3, 64), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -457,7 +457,7 @@ def test_decoder_layers_with_the_kernels_fused_ops_match_hf():
 @pytest.mark.parametrize("heads,kv_heads,hidden,bias", [(4, 2, 128, True), (2, 1, 256, False),
                                                          (8, 1, 256, True), (4, 4, 128, False)])
 def test_whole_decode_layers_equal_the_op_by_op_path_bit_for_bit(heads, kv_heads, hidden, bias):
-    # decode_layer runs a layer's fused ops in one kernel call and writes the cache itself: the
+    # decode_layers runs a step's fused ops in one kernel call and writes the cache itself: the
     # same arithmetic in the same order as the op-by-op path, so the same bits, over steps that
     # evict rows and move the window; head_dim 32 / 64 / 128 and query groups of 1 / 2 / 8
     from RL2.rollout import llama_forward
@@ -487,7 +487,7 @@ def test_whole_decode_layers_equal_the_op_by_op_path_bit_for_bit(heads, kv_heads
                 last = last[[4, 1, 3]]
         runs.append(out)
     got, want = runs
-    assert len(calls) == 12 * 2  # every layer of every step in one call
+    assert len(calls) == 12  # every step's layers in one call
     for a, b in zip(got, want):
         assert torch.equal(a, b)
 
@@ -495,7 +495,7 @@ def test_whole_decode_layers_equal_the_op_by_op_path_bit_for_bit(heads, kv_heads
 @needs_kernel
 @pytest.mark.parametrize("head_dim,heads,kv_heads", [(32, 4, 2), (64, 4, 1)])
 def test_whole_decode_layers_of_qwen3_match_hf(head_dim, heads, kv_heads):
-    # Qwen3 normalises each query and key head before the rotation: decode_layer does it after
+    # Qwen3 normalises each query and key head before the rotation: decode_layers does it after
     # the product (its norm sums in another order: close to the op-by-op path, not equal)
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
@@ -513,34 +513,44 @@ def test_whole_decode_layers_of_qwen3_match_hf(head_dim, heads, kv_heads):
         want = model(ids).logits
     paths, calls = _two_paths()
     got, op_by_op = (_decode_steps(model, pl, ids) for pl in paths)
-    assert len(calls) == 4 * 2
+    assert len(calls) == 4
     torch.testing.assert_close(got, op_by_op, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got, want[:, 59:], rtol=1e-4, atol=1e-4)
 
 
 @needs_kernel
-def test_whole_decode_layer_declines_what_it_does_not_take():
-    # the caller falls back to the op-by-op path on None: wrong dtypes, shapes or windows
+def test_whole_decode_layers_decline_what_they_do_not_take():
+    # the caller falls back to the op-by-op path on None: wrong dtypes, shapes or windows, at
+    # the layout (make) or at a step (the call)
     x = torch.randn(2, 64)
-    keys = torch.zeros(2, 1, 8, 32)
+    keys = [torch.zeros(2, 1, 8, 32) for _ in range(2)]
     w = small_gemm.pack(torch.randn(128, 64))
-    args = dict(norm1=(torch.ones(64), 1e-6), qkv=(w, 128, None), rope=(torch.ones(2, 32), torch.zeros(2, 32)),
-                cache=(keys, keys.clone(), 2, 5), bias=torch.zeros(2, 1, 1, 4), scale=0.1,
-                o=(small_gemm.pack(torch.randn(64, 64)), 64, None), norm2=(torch.ones(64), 1e-6),
-                glu=(small_gemm.pack_glu(torch.randn(32, 64), torch.randn(32, 64)), 32, None),
-                down=(small_gemm.pack(torch.randn(64, 32)), 64, None))
-    assert small_gemm.decode_layer(x, **args) is not None
-    for change in (dict(bias=torch.zeros(2, 1, 1, 5)),                       # window is 4 wide
-                   dict(cache=(keys, keys.clone(), 2, 8)),                   # column past the buffer
-                   dict(cache=(keys.double(), keys.double(), 2, 5)),
-                   dict(rope=(torch.ones(2, 16), torch.zeros(2, 16))),       # head_dim 16: no rope
-                   dict(qkv=(w, 112, None)),                                  # not heads + 2 kv heads
+    layer = dict(norm1=(torch.ones(64), 1e-6), qkv=(w, 128, None), o=(small_gemm.pack(torch.randn(64, 64)), 64, None),
+                 norm2=(torch.ones(64), 1e-6), glu=(small_gemm.pack_glu(torch.randn(32, 64), torch.randn(32, 64)), 32, None),
+                 down=(small_gemm.pack(torch.randn(64, 32)), 64, None), qk_norm=None)
+    make = lambda change={}, **kw: small_gemm.DecodeLayers.make(  # noqa: E731
+        [layer, {**layer, **change}], **{**dict(kv_heads=1, head_dim=32, scale=0.1), **kw})
+    step = dict(rope=(torch.ones(2, 32), torch.zeros(2, 32)), cache=(keys, [k.clone() for k in keys], 2, 5),
+                bias=torch.zeros(2, 1, 1, 4))
+    layers = make()
+    assert layers(x, **step) is not None
+    for change in (dict(qkv=(w, 112, None)),                                  # not heads + 2 kv heads
                    dict(o=(small_gemm.pack(torch.randn(64, 32)), 64, None)),  # o_proj's K is not 4 x 32
                    dict(down=(small_gemm.pack(torch.randn(64, 48)), 64, None)),  # nor down_proj's 32
-                   dict(o=(args["o"][0], 64, torch.zeros(32)))):              # a bias of 32, not 64
-        assert small_gemm.decode_layer(x, **{**args, **change}) is None, change
-    assert small_gemm.decode_layer(x.double(), **args) is None
-    assert small_gemm.decode_layer(torch.randn(3, 64), **args) is None       # rows != cos rows
+                   dict(o=(layer["o"][0], 64, torch.zeros(32))),              # a bias of 32, not 64
+                   dict(norm2=(torch.ones(64).double(), 1e-6))):
+        assert make(change) is None, change
+    assert make(head_dim=16) is None and make(kv_heads=3) is None
+    for change in (dict(bias=torch.zeros(2, 1, 1, 5)),                        # the window is 4 wide
+                   dict(cache=(keys, keys, 2, 8)),                             # column past the buffer
+                   dict(cache=(keys[:1], keys[:1], 2, 5)),                     # a layer's buffers missing
+                   dict(cache=([k.double() for k in keys], keys, 2, 5)),
+                   dict(cache=(keys, [torch.zeros(2, 1, 9, 32)] * 2, 2, 5)),   # buffers of two shapes
+                   dict(rope=(torch.ones(2, 16), torch.zeros(2, 16)))):
+        assert layers(x, **{**step, **change}) is None, change
+    assert layers(x.double(), **step) is None
+    assert layers(torch.randn(3, 64), **step) is None                          # rows != cos rows
+    assert layers(x, **step) is not None  # a refused step leaves the layers usable
 
 
 def _model(seed):

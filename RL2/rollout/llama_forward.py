@@ -13,7 +13,7 @@ module gives cos / sin and its norms' weights and epsilon are used as HF uses th
 and RoPE variants stay HF's; on the CPU in fp32 RL2's kernel (`linear.fused`, `linear.attention`,
 RL2/utils/small_gemm.c) does the norm, rotation, residual add, SiLU(gate) * up and decode-step
 attention around its products with HF's arithmetic (sums in another order), and a decode
-step's whole layer in one call (`linear.decode_layer`, the same bits). Tests compare both paths
+step's layers in one call (`linear.decode_layers`, the same bits). Tests compare both paths
 to HF `generate` and to an HF forward.
 """
 from __future__ import annotations
@@ -279,42 +279,26 @@ def _attend_step(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias
     return torch.matmul(torch.softmax(scores, -1, dtype=torch.float32).to(q.dtype), values)
 
 
-def _whole_layer(whole, layer, x, cos, sin, kv, li, bias):
-    """`whole` (`linear.decode_layer`) on one layer of a decode step over `kv`, or None where
-    it declines (then the step runs this layer op by op)."""
-    attn, mlp = layer.self_attn, layer.mlp
-    if x.dtype != torch.float32:
-        return None
-    n1, n2 = layer.input_layernorm, layer.post_attention_layernorm
-    qk = None
-    if hasattr(attn, "q_norm"):  # Qwen3: per-head RMSNorms before the rotation
-        qk = ((attn.q_norm.weight, attn.q_norm.variance_epsilon),
-              (attn.k_norm.weight, attn.k_norm.variance_epsilon))
-    live = kv.live()
-    return whole(x, (n1.weight, n1.variance_epsilon), (attn.q_proj, attn.k_proj, attn.v_proj),
-                 (cos[:, 0], sin[:, 0]), (kv.k[li], kv.v[li], live[2].start, live[2].stop - 1),
-                 bias, attn.scaling, attn.o_proj, (n2.weight, n2.variance_epsilon),
-                 (mlp.gate_proj, mlp.up_proj), mlp.down_proj, qk)
-
-
 def _decode(model, tokens: torch.Tensor, positions: torch.Tensor, bias: torch.Tensor, write,
             linear, kv=None) -> torch.Tensor:
     """One decode step; write(layer, k, v) stores the step's keys and values [B, kv_heads, D]
     and returns the keys and values to attend over, [B, kv_heads, W, D] (W: bias's last dim).
-    With kv (the `BatchKV` that `write` writes to), a layer may run as one call of
-    `linear.decode_layer` (RL2's CPU kernel: the same ops, bit for bit, without the Python
+    With kv (the `BatchKV` that `write` writes to), the layers may run as one call of
+    `linear.decode_layers` (RL2's CPU kernel: the same ops, bit for bit, without the Python
     between them), which writes the cache itself."""
     body = model.model
     rows = tokens.shape[0]
     x = body.embed_tokens(tokens)                                # [B, hidden]
     cos, sin = body.rotary_emb(x[None], positions[None])         # [1, B, D]
     cos, sin = cos[0, :, None], sin[0, :, None]                  # [B, 1, D]
-    whole = getattr(linear, "decode_layer", None) if kv is not None else None
-    for li, layer in enumerate(body.layers):
-        y = _whole_layer(whole, layer, x, cos, sin, kv, li, bias) if whole is not None else None
+    whole = getattr(linear, "decode_layers", None) if kv is not None else None
+    if whole is not None:
+        live = kv.live()[2]
+        y = whole(body.layers, x, (cos[:, 0], sin[:, 0]), (kv.k, kv.v, live.start, live.stop - 1),
+                  bias)
         if y is not None:
-            x = y
-            continue
+            return _logits(model, y, linear)
+    for li, layer in enumerate(body.layers):
         q, k, v = _qkv(layer, x, cos, sin, linear)               # [B, heads, D]
         keys, values = write(li, k, v)
         # one row's query heads of a group as a query block: [B, kv_heads, G, D] against the

@@ -128,10 +128,12 @@ class PackedLinears:
             if why:
                 logger.info("small_gemm: %s; decode-step linear layers stay on oneDNN", why)
         self._strips: dict = {}  # as _packed, in the kernel's layout (small_gemm.pack)
+        self._layers = None  # (a model's decoder layers, their small_gemm.DecodeLayers or None)
 
     def clear(self) -> None:
         self._packed.clear()
         self._strips.clear()
+        self._layers = None
 
     def __call__(self, x: torch.Tensor, proj: torch.nn.Linear) -> torch.Tensor:
         w = proj.weight
@@ -201,28 +203,46 @@ class PackedLinears:
         object sends products there and the kernel takes these tensors, else None."""
         return small_gemm.attention(q, keys, values, bias, scale) if self.small else None
 
-    def decode_layer(self, x: torch.Tensor, norm1: tuple, qkv: tuple, rope: tuple, cache: tuple,
-                     bias: torch.Tensor, scale: float, o_proj, norm2: tuple, glu: tuple,
-                     down_proj, qk_norm: tuple | None = None) -> torch.Tensor | None:
-        """A whole decoder layer of a decode step in one call of RL2's kernel
-        (`small_gemm.decode_layer`: the arguments as there, with the modules for the weights:
-        qkv (q, k, v), glu (gate, up)), or None where the kernel does not take it."""
-        if not self.small:
+    def decode_layers(self, layers, x: torch.Tensor, rope: tuple, cache: tuple,
+                      bias: torch.Tensor) -> torch.Tensor | None:
+        """A decode step's decoder layers (`layers`, the model's) in one call of RL2's kernel
+        (`small_gemm.DecodeLayers`, laid out on first use and kept until `clear`; x, rope,
+        cache, bias as its call takes them), or None where the kernel does not take them."""
+        if not self.small or x.dtype != torch.float32:
             return None
-        d = rope[0].shape[-1]
-        n = sum(p.weight.shape[0] for p in qkv)
-        if d % 32:
-            return None
-        # the rotation inside the product, except after Qwen3's head norms
-        order = None if qk_norm else (n, (qkv[0].weight.shape[0] + qkv[1].weight.shape[0]) // d, d)
-        a = self._kernel_weights(x, qkv, order=order)
-        b = self._kernel_weights(x, (o_proj,))
-        c = self._kernel_weights(x, glu, glu=True)
-        e = self._kernel_weights(x, (down_proj,))
-        if a is None or b is None or c is None or e is None:
-            return None
-        return small_gemm.decode_layer(x, norm1, a, rope, cache, bias, scale, b, norm2, c, e,
-                                       qk_norm)
+        if self._layers is None or self._layers[0] is not layers:
+            if not 0 < x.shape[0] <= small_gemm.MAX_ROWS:  # a step's size: not kept as a refusal
+                return None
+            self._layers = (layers, self._decode_layers(layers, x))
+        return self._layers[1](x, rope, cache, bias) if self._layers[1] is not None else None
+
+    def _decode_layers(self, layers, x: torch.Tensor):
+        args = []
+        for layer in layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            n1, n2 = layer.input_layernorm, layer.post_attention_layernorm
+            qkv = (attn.q_proj, attn.k_proj, attn.v_proj)
+            d = getattr(attn, "head_dim", 0)
+            qk = None
+            if hasattr(attn, "q_norm"):  # Qwen3: per-head RMSNorms before the rotation
+                qk = ((attn.q_norm.weight, attn.q_norm.variance_epsilon),
+                      (attn.k_norm.weight, attn.k_norm.variance_epsilon))
+            n = sum(p.weight.shape[0] for p in qkv)
+            if d <= 0 or d % 32:
+                return None
+            # the rotation inside the product, except after Qwen3's head norms
+            order = None if qk else (n, (qkv[0].weight.shape[0] + qkv[1].weight.shape[0]) // d, d)
+            packed = (self._kernel_weights(x, qkv, order=order), self._kernel_weights(x, (attn.o_proj,)),
+                      self._kernel_weights(x, (mlp.gate_proj, mlp.up_proj), glu=True),
+                      self._kernel_weights(x, (mlp.down_proj,)))
+            if any(p is None for p in packed):
+                return None
+            args.append(dict(norm1=(n1.weight, n1.variance_epsilon), qkv=packed[0], o=packed[1],
+                             norm2=(n2.weight, n2.variance_epsilon), glu=packed[2], down=packed[3],
+                             qk_norm=qk))
+        attn = layers[0].self_attn
+        return small_gemm.DecodeLayers.make(args, attn.k_proj.weight.shape[0] // attn.head_dim,
+                                            attn.head_dim, attn.scaling)
 
     def _kernel_weights(self, x: torch.Tensor, projs: tuple, glu: bool = False,
                         order: tuple | None = None) -> tuple | None:

@@ -17,7 +17,7 @@
  *
  * The fused norm, rotary, residual and activation save the decode step some twenty eager
  * PyTorch ops per layer, each slowed by the weight stream that just went through the caches
- * (benchmarks/README.md, fix 26); rl2_decode_layer chains a layer's calls in C (fix 27). */
+ * (benchmarks/README.md, fix 26); rl2_decode_layers chains a step's calls in C (fixes 27, 36). */
 #include <immintrin.h>
 #include <math.h>
 #include <omp.h>
@@ -356,28 +356,28 @@ void rl2_decode_attention(const float* q, int64_t B, int64_t KH, int64_t G, int6
   }
 }
 
-/* One decoder layer of a decode step (Llama / Qwen2 / Qwen3 / Mistral, fp32) in one call, as
+/* One decoder layer of a decode step (Llama / Qwen2 / Qwen3 / Mistral, fp32), as
  * llama_forward's fused ops do it, op for op and so bit for bit: the q/k/v product with the
  * input norm and the rotary embedding (qkv_w in rope order), this step's keys and values
  * written at `column` of the cache buffers, the attention over columns [start, column], the
  * output projection plus x, and the MLP (norm, SiLU(gate) * up, down projection plus the
- * residual). Saves the step the Python and the ~20 small PyTorch ops between those calls.
+ * residual). Saves the step the ~20 small PyTorch ops between those calls.
  * q_norm, k_norm (Qwen3's per-head RMSNorms, D floats each, or NULL): the heads are normalised
  * after the product and rotated then (its norm sums in another order than PyTorch's).
  * x, out: M x hidden; kbuf, vbuf: the layer's cache buffers ((b, h, w, d) at b * kv_sb + h *
  * kv_sh + w * D + d); bias: M x (column + 1 - start); scratch: threads x G x that many floats;
  * h: M x hidden; qkv: M x (heads + 2 kv_heads) D; att: M x heads D; x2: M x hidden; act: M x
  * inter (the layer's intermediates, the caller's buffers). */
-void rl2_decode_layer(const float* x, int64_t M, int64_t hidden, int64_t heads, int64_t kv_heads,
-                      int64_t D, const float* norm1, float eps1, const float* qkv_w,
-                      const float* qkv_b, const float* cos, const float* sin,
-                      const float* q_norm, const float* k_norm, float eps_q, float eps_k,
-                      float* kbuf, float* vbuf, int64_t kv_sb, int64_t kv_sh, int64_t start,
-                      int64_t column, const float* bias, float scale, float* scratch, const float* o_w,
-                      const float* o_b, const float* norm2, float eps2, const float* gu_w,
-                      const float* gu_b, int64_t inter, const float* down_w, const float* down_b,
-                      float* h, float* qkv, float* att, float* x2, float* act, float* out,
-                      int threads) {
+static void decode_layer(const float* x, int64_t M, int64_t hidden, int64_t heads,
+                         int64_t kv_heads, int64_t D, const float* norm1, float eps1,
+                         const float* qkv_w, const float* qkv_b, const float* cos,
+                         const float* sin, const float* q_norm, const float* k_norm, float eps_q,
+                         float eps_k, float* kbuf, float* vbuf, int64_t kv_sb, int64_t kv_sh,
+                         int64_t start, int64_t column, const float* bias, float scale,
+                         float* scratch, const float* o_w, const float* o_b, const float* norm2,
+                         float eps2, const float* gu_w, const float* gu_b, int64_t inter,
+                         const float* down_w, const float* down_b, float* h, float* qkv,
+                         float* att, float* x2, float* act, float* out, int threads) {
   int64_t nq = heads * D, nkv = kv_heads * D, n = nq + 2 * nkv;
   if (!q_norm) {
     rl2_small_gemm(x, M, hidden, qkv_w, n, qkv_b, 0, norm1, eps1, h, qkv, 0, heads + kv_heads, D,
@@ -412,6 +412,35 @@ void rl2_decode_layer(const float* x, int64_t M, int64_t hidden, int64_t heads, 
   rl2_small_gemm(x2, M, hidden, gu_w, inter, gu_b, 0, norm2, eps2, h, act, 1, 0, 0, 0, 0, threads);
   rl2_small_gemm(act, M, inter, down_w, hidden, down_b, x2, 0, 0.0f, 0, out, 0, 0, 0, 0, 0,
                  threads);
+}
+
+/* A layer's own arguments of decode_layer (small_gemm.py's _Layer mirrors it) */
+typedef struct {
+  const float *norm1, *qkv_w, *qkv_b, *q_norm, *k_norm, *o_w, *o_b, *norm2, *gu_w, *gu_b, *down_w,
+      *down_b;
+  float *kbuf, *vbuf;
+  float eps1, eps_q, eps_k, eps2;
+} layer_args;
+
+/* A decode step's decoder layers, n of them, in one call (fix 36): layer i's output is layer
+ * i + 1's input (through y and `out`, the last layer's into `out`). One call from Python a step
+ * instead of one a layer: each cost ~0.2 ms of argument checks and ctypes conversions. The
+ * other arguments as decode_layer's, the same for every layer (one batch, one window). */
+void rl2_decode_layers(const layer_args* layers, int64_t n, const float* x, int64_t M,
+                       int64_t hidden, int64_t heads, int64_t kv_heads, int64_t D, int64_t inter,
+                       const float* cos, const float* sin, int64_t kv_sb, int64_t kv_sh,
+                       int64_t start, int64_t column, const float* bias, float scale,
+                       float* scratch, float* h, float* qkv, float* att, float* x2, float* act,
+                       float* y, float* out, int threads) {
+  for (int64_t i = 0; i < n; i++) {
+    const layer_args* l = layers + i;
+    float* dst = (n - 1 - i) % 2 ? y : out; /* never the layer's own input */
+    decode_layer(x, M, hidden, heads, kv_heads, D, l->norm1, l->eps1, l->qkv_w, l->qkv_b, cos,
+                 sin, l->q_norm, l->k_norm, l->eps_q, l->eps_k, l->kbuf, l->vbuf, kv_sb, kv_sh,
+                 start, column, bias, scale, scratch, l->o_w, l->o_b, l->norm2, l->eps2, l->gu_w,
+                 l->gu_b, inter, l->down_w, l->down_b, h, qkv, att, x2, act, dst, threads);
+    x = dst;
+  }
 }
 
 /* The kernel's epilogues as passes of their own, for products with more rows than the kernel

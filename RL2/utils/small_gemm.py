@@ -8,9 +8,9 @@ through oneDNN's packed weights (1.15-1.67x at 1-64 rows, 1.06-1.11x at 96-128),
 small ops after each product ran faster too (the kernel drags less through the caches). It
 also takes the RMSNorm before a product, the rotary embedding, residual add or SiLU(gate) * up
 after it, and the decode step's attention (`attention`), each with HF's arithmetic (fix 26): as
-eager ops they cost a decode step more than their arithmetic. `decode_layer` runs a whole
-decoder layer of a decode step (those ops and the KV cache write) in one call, the same bits as
-op by op without the Python between them (fix 27). Products of more rows (prefill) stay on
+eager ops they cost a decode step more than their arithmetic. `DecodeLayers` runs a decode
+step's decoder layers (those ops and the KV cache writes) in one call, the same bits as op by
+op without the Python between them (fixes 27, 36). Products of more rows (prefill) stay on
 oneDNN, so the engine holds both packed copies of its weights; the norm, rotation and SiLU(gate)
 * up around them run as one C pass each (`rms_norm`, `rope_`, `silu_mul`; fix 28). Built with
 -ffp-contract=off: otherwise the compiler fuses a multiply and an add the eager ops round
@@ -151,10 +151,9 @@ def load():
                                              p, p, ctypes.c_int]
         lib.rl2_decode_attention.restype = None
         f = ctypes.c_float
-        lib.rl2_decode_layer.argtypes = [p, i, i, i, i, i, p, f, p, p, p, p, p, p, f, f, p, p, i, i,
-                                         i, i, p, f, p, p, p, p, f, p, p, i, p, p, p, p, p, p, p, p,
-                                         ctypes.c_int]
-        lib.rl2_decode_layer.restype = None
+        lib.rl2_decode_layers.argtypes = [ctypes.POINTER(_Layer), i, p, i, i, i, i, i, i, p, p, i,
+                                          i, i, i, p, f, p, p, p, p, p, p, p, p, ctypes.c_int]
+        lib.rl2_decode_layers.restype = None
         lib.rl2_rms_norm.argtypes = [p, i, i, p, f, p, ctypes.c_int]
         lib.rl2_silu_mul.argtypes = [p, i, i, p, ctypes.c_int]
         lib.rl2_rope.argtypes = [p, i, i, p, i, i, i, i, p, p, ctypes.c_int, ctypes.c_int]
@@ -311,68 +310,119 @@ def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: t
     return _attend(lib, q, keys, values, bias, scale)
 
 
-def decode_layer(x: torch.Tensor, norm1: tuple, qkv: tuple, rope: tuple, cache: tuple,
-                 bias: torch.Tensor, scale: float, o: tuple, norm2: tuple, glu: tuple,
-                 down: tuple, qk_norm: tuple | None = None) -> torch.Tensor | None:
-    """One decoder layer of a decode step in one kernel call (`rl2_decode_layer`): what
-    llama_forward's fused ops compute, bit for bit, without the Python between them.
-    x [M, hidden]; norm1 / norm2: (weight, eps) of the input and post-attention RMSNorms;
-    qkv, o, glu, down: (packed, output features, bias) as `linear` takes them (qkv in
-    `rope_order` over the query and key heads, glu from `pack_glu`); rope: (cos, sin) [M, D];
-    cache: (keys, values, start, column): the layer's buffers [rows >= M, kv_heads, L, D],
-    this step's keys and values written at `column`, attention over [start, column]; bias
-    [M, 1, 1, column + 1 - start] (0 / -inf). qk_norm: Qwen3's per-head RMSNorms before the
-    rotation, ((q weight [D], eps), (k weight [D], eps)), with qkv then in its natural order
-    (the same arithmetic as op by op but for the norms' order of summation). Returns the
-    layer's output [M, hidden], or None where the kernel does not take these tensors (the
-    caller then runs the ops one by one)."""
-    lib = load()[0]
-    keys, values, start, column = cache
-    cos, sin = rope
-    if lib is None or x.dim() != 2 or keys.dim() != 4:
-        return None
-    m, hidden = x.shape
-    d, kv_heads = keys.shape[3], keys.shape[1]
-    heads = (qkv[1] - 2 * kv_heads * d) // d
-    w = column + 1 - start
-    qn, kn = qk_norm if qk_norm is not None else ((None, 0.0), (None, 0.0))
-    params = [t for t in (norm1[0], norm2[0], qkv[2], o[2], glu[2], down[2], qn[0], kn[0])
-              if t is not None]
-    tensors = (x, keys, values, bias, cos, sin, qkv[0], o[0], glu[0], down[0], *params)
-    if (any(t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous()
-            or type(t) not in (torch.Tensor, torch.nn.Parameter) for t in tensors)
-            or not 0 < m <= MAX_ROWS or d % 32 or d > 256 or heads <= 0 or heads % kv_heads
-            or heads // kv_heads > 8 or (heads + 2 * kv_heads) * d != qkv[1]
-            or values.shape != keys.shape or keys.shape[0] < m or not 0 <= start <= column < keys.shape[2]
-            or cos.shape != (m, d) or sin.shape != (m, d) or bias.shape != (m, 1, 1, w)
-            or o[1] != hidden or down[1] != hidden or norm1[0].shape != (hidden,)
-            or norm2[0].shape != (hidden,) or qk_norm is not None and (
-                qn[0].shape != (d,) or kn[0].shape != (d,))):
-        return None
-    inter = glu[1]
-    strips = lambda n: (n + 15) // 16  # noqa: E731
-    if (qkv[0].shape != (strips(qkv[1]), hidden, 16) or o[0].shape != (strips(hidden), heads * d, 16)
-            or glu[0].shape != (2 * strips(inter), hidden, 16)
-            or down[0].shape != (strips(hidden), inter, 16)  # each product's K and N as packed
-            or any(b is not None and b.shape != (size,) for b, size in (
-                (qkv[2], qkv[1]), (o[2], hidden), (glu[2], 32 * strips(inter)), (down[2], hidden)))):
-        return None
-    ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
-    out, x2, h = torch.empty_like(x), torch.empty_like(x), torch.empty_like(x)
-    q = torch.empty(m, qkv[1])
-    att, act = torch.empty(m, heads * d), torch.empty(m, inter)
-    threads = torch.get_num_threads()
-    scratch = torch.empty(threads * (heads // kv_heads) * w)
-    biases = [ptr(b) for b in (qkv[2], o[2], glu[2], down[2])]
-    lib.rl2_decode_layer(x.data_ptr(), m, hidden, heads, kv_heads, d, ptr(norm1[0]), float(norm1[1]),
-                         qkv[0].data_ptr(), biases[0], cos.data_ptr(), sin.data_ptr(), ptr(qn[0]),
-                         ptr(kn[0]), float(qn[1]), float(kn[1]), keys.data_ptr(),
-                         values.data_ptr(), keys.stride(0), keys.stride(1), start, column,
-                         bias.data_ptr(), float(scale), scratch.data_ptr(), o[0].data_ptr(),
-                         biases[1], ptr(norm2[0]), float(norm2[1]), glu[0].data_ptr(), biases[2],
-                         inter, down[0].data_ptr(), biases[3], h.data_ptr(), q.data_ptr(),
-                         att.data_ptr(), x2.data_ptr(), act.data_ptr(), out.data_ptr(), threads)
-    return out
+class _Layer(ctypes.Structure):
+    """A layer's own arguments of `rl2_decode_layers` (its layer_args)."""
+    _fields_ = ([(name, ctypes.c_void_p) for name in (
+        "norm1", "qkv_w", "qkv_b", "q_norm", "k_norm", "o_w", "o_b", "norm2", "gu_w", "gu_b",
+        "down_w", "down_b", "kbuf", "vbuf")]
+        + [(name, ctypes.c_float) for name in ("eps1", "eps_q", "eps_k", "eps2")])
+
+
+class DecodeLayers:
+    """A model's decoder layers laid out once for `rl2_decode_layers`, which runs all of a
+    decode step's layers in one call: what llama_forward's fused ops compute op by op, bit for
+    bit (Qwen3's head norms sum in another order), and the KV cache writes, without Python
+    between the layers (fixes 27, 36: one call a layer cost ~0.2 ms of argument checks).
+
+    layers: per layer a dict of norm1 / norm2: (weight, eps) of the input and post-attention
+    RMSNorms; qkv, o, glu, down: (packed, output features, bias) as `linear` takes them (qkv
+    in `rope_order` over the query and key heads, glu from `pack_glu`); qk_norm: Qwen3's
+    per-head RMSNorms ((q weight [D], eps), (k weight [D], eps)) or None, qkv then in its
+    natural order. `make` returns None where the kernel does not take them; the object holds
+    the tensors it points to."""
+
+    def __init__(self, lib, table, tensors, dims, scale):
+        self.lib, self.table, self.tensors, self.scale = lib, table, tensors, scale
+        self.hidden, self.heads, self.kv_heads, self.d, self.inter = dims
+        self.kv = None  # (keys' shape, addresses of the cache buffers) the table points to
+
+    @classmethod
+    def make(cls, layers: list[dict], kv_heads: int, head_dim: int, scale: float):
+        lib = load()[0]
+        if lib is None or not layers:
+            return None
+        d, hidden = head_dim, layers[0]["norm1"][0].shape[-1]
+        heads = (layers[0]["qkv"][1] - 2 * kv_heads * d) // d
+        inter = layers[0]["glu"][1]
+        if (d <= 0 or d % 32 or d > 256 or kv_heads <= 0 or heads <= 0 or heads % kv_heads
+                or heads // kv_heads > 8):
+            return None
+        strips = lambda n: (n + 15) // 16  # noqa: E731
+        table, tensors = (_Layer * len(layers))(), []
+        for entry, a in zip(table, layers):
+            qkv, o, glu, down, qk = a["qkv"], a["o"], a["glu"], a["down"], a["qk_norm"]
+            qn, kn = qk if qk is not None else ((None, 0.0), (None, 0.0))
+            own = [t for t in (a["norm1"][0], a["norm2"][0], qkv[0], o[0], glu[0], down[0], qkv[2],
+                               o[2], glu[2], down[2], qn[0], kn[0]) if t is not None]
+            if (not _plain(*own) or (heads + 2 * kv_heads) * d != qkv[1] or o[1] != hidden
+                    or down[1] != hidden or glu[1] != inter
+                    or a["norm1"][0].shape != (hidden,) or a["norm2"][0].shape != (hidden,)
+                    or qk is not None and (qn[0].shape != (d,) or kn[0].shape != (d,))
+                    or qkv[0].shape != (strips(qkv[1]), hidden, 16)  # each product's K and N
+                    or o[0].shape != (strips(hidden), heads * d, 16)
+                    or glu[0].shape != (2 * strips(inter), hidden, 16)
+                    or down[0].shape != (strips(hidden), inter, 16)
+                    or any(b is not None and b.shape != (size,) for b, size in (
+                        (qkv[2], qkv[1]), (o[2], hidden), (glu[2], 32 * strips(inter)),
+                        (down[2], hidden)))):
+                return None
+            ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
+            for name, t in (("norm1", a["norm1"][0]), ("qkv_w", qkv[0]), ("qkv_b", qkv[2]),
+                            ("q_norm", qn[0]), ("k_norm", kn[0]), ("o_w", o[0]), ("o_b", o[2]),
+                            ("norm2", a["norm2"][0]), ("gu_w", glu[0]), ("gu_b", glu[2]),
+                            ("down_w", down[0]), ("down_b", down[2])):
+                setattr(entry, name, ptr(t))
+            entry.eps1, entry.eps2 = float(a["norm1"][1]), float(a["norm2"][1])
+            entry.eps_q, entry.eps_k = float(qn[1]), float(kn[1])
+            tensors += own
+        return cls(lib, table, tensors, (hidden, heads, kv_heads, d, inter), float(scale))
+
+    def _point_at(self, keys: list, values: list) -> bool:
+        """Point the table at these cache buffers (checked when they change)."""
+        shape = keys[0].shape
+        if self.kv is not None and self.kv[0] == shape and self.kv[1] == [
+                t.data_ptr() for t in keys + values]:
+            return True
+        self.kv = None
+        bufs = list(keys) + list(values)
+        if (len(keys) != len(self.table) or len(values) != len(self.table) or len(shape) != 4
+                or shape[1] != self.kv_heads or shape[3] != self.d
+                or any(t.shape != shape for t in bufs) or not _plain(*bufs)):
+            return False
+        for entry, k, v in zip(self.table, keys, values):
+            entry.kbuf, entry.vbuf = k.data_ptr(), v.data_ptr()
+        self.kv = (shape, [t.data_ptr() for t in bufs])
+        return True
+
+    def __call__(self, x: torch.Tensor, rope: tuple, cache: tuple,
+                 bias: torch.Tensor) -> torch.Tensor | None:
+        """The last layer's output [M, hidden] for x [M, hidden] (a decode step's embeddings),
+        or None where the kernel does not take these tensors (the caller then runs the layers
+        op by op). rope: (cos, sin) [M, D]; cache: (keys, values, start, column): per layer the
+        cache buffers [rows >= M, kv_heads, L, D], this step's keys and values written at
+        `column`, attention over [start, column]; bias [M, 1, 1, column + 1 - start] (0 / -inf)."""
+        keys, values, start, column = cache
+        cos, sin = rope
+        if x.dim() != 2 or not _plain(x, cos, sin, bias) or not self._point_at(keys, values):
+            return None
+        m, d = x.shape[0], self.d
+        w = column + 1 - start
+        if (not 0 < m <= MAX_ROWS or x.shape[1] != self.hidden or keys[0].shape[0] < m
+                or not 0 <= start <= column < keys[0].shape[2] or cos.shape != (m, d)
+                or sin.shape != (m, d) or bias.shape != (m, 1, 1, w)):
+            return None
+        hidden, heads, kv_heads = self.hidden, self.heads, self.kv_heads
+        out, y, x2, h = (torch.empty_like(x) for _ in range(4))
+        q = torch.empty(m, (heads + 2 * kv_heads) * d)
+        att, act = torch.empty(m, heads * d), torch.empty(m, self.inter)
+        threads = torch.get_num_threads()
+        scratch = torch.empty(threads * (heads // kv_heads) * w)
+        self.lib.rl2_decode_layers(
+            self.table, len(self.table), x.data_ptr(), m, hidden, heads, kv_heads, d, self.inter,
+            cos.data_ptr(), sin.data_ptr(), keys[0].stride(0), keys[0].stride(1), start, column,
+            bias.data_ptr(), self.scale, scratch.data_ptr(), h.data_ptr(), q.data_ptr(),
+            att.data_ptr(), x2.data_ptr(), act.data_ptr(), y.data_ptr(), out.data_ptr(), threads)
+        return out
 
 
 def _plain(*tensors: torch.Tensor) -> bool:

@@ -93,6 +93,7 @@ def test_rows_give_the_same_bits_alone_and_in_any_group(mode):
     alone = torch.cat([run(i, i + 1) for i in range(100)])
     for i, j in [(0, 13), (13, 61), (0, 100)]:
         assert torch.equal(run(i, j), alone[i:j]), (mode, i, j)
+    _same_bits_with_1_2_3_threads(lambda: run(0, 100))
 
 
 def _same_bits_with_1_2_3_threads(fn):
@@ -454,26 +455,30 @@ def test_decoder_layers_with_the_kernels_fused_ops_match_hf():
 
 
 @needs_kernel
-@pytest.mark.parametrize("heads,kv_heads,hidden,bias", [(4, 2, 128, True), (2, 1, 256, False),
-                                                         (8, 1, 256, True), (4, 4, 128, False)])
-def test_whole_decode_layers_equal_the_op_by_op_path_bit_for_bit(heads, kv_heads, hidden, bias):
+@pytest.mark.parametrize("heads,kv_heads,hidden,bias,layers,rows", [
+    (4, 2, 128, True, 2, 5), (2, 1, 256, False, 2, 5), (8, 1, 256, True, 2, 5),
+    (4, 4, 128, False, 2, 5), (4, 2, 128, True, 3, 20)])
+def test_whole_decode_layers_equal_the_op_by_op_path_bit_for_bit(heads, kv_heads, hidden, bias,
+                                                                  layers, rows):
     # decode_layers runs a step's fused ops in one kernel call and writes the cache itself: the
     # same arithmetic in the same order as the op-by-op path, so the same bits, over steps that
-    # evict rows and move the window; head_dim 32 / 64 / 128 and query groups of 1 / 2 / 8
+    # evict rows and move the window; head_dim 32 / 64 / 128 and query groups of 1 / 2 / 8; an
+    # odd number of layers (the output's buffer alternates) and 20 rows (chunked products)
     from RL2.rollout import llama_forward
     from RL2.rollout.kv_cache import BatchKV
 
     torch.manual_seed(7)
     cls = Qwen2ForCausalLM if bias else LlamaForCausalLM
     cfg = (Qwen2Config if bias else LlamaConfig)(
-        vocab_size=300, hidden_size=hidden, intermediate_size=2 * hidden + 16, num_hidden_layers=2,
-        num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=256)
+        vocab_size=300, hidden_size=hidden, intermediate_size=2 * hidden + 16,
+        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+        max_position_embeddings=256)
     model = cls(cfg).eval()
-    prompts = [[(7 * i + 3 * j) % 300 for j in range(3 + 5 * i)] for i in range(5)]
+    prompts = [[(7 * i + 3 * j) % 300 for j in range(3 + 5 * (i % 9))] for i in range(rows)]
     runs = []
     paths, calls = _two_paths()
     for pl in paths:
-        logits, keys, values, lens = llama_forward.prefill(model, prompts, [None] * 5, "cpu", pl)
+        logits, keys, values, lens = llama_forward.prefill(model, prompts, [None] * rows, "cpu", pl)
         kv, last, out = BatchKV(), logits.argmax(-1), []
         kv.add(keys, values, lens, room=4)  # too little room: the window moves, buffers grow
         for step in range(12):
@@ -516,6 +521,46 @@ def test_whole_decode_layers_of_qwen3_match_hf(head_dim, heads, kv_heads):
     assert len(calls) == 4
     torch.testing.assert_close(got, op_by_op, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got, want[:, 59:], rtol=1e-4, atol=1e-4)
+
+
+@needs_kernel
+def test_decode_layers_are_laid_out_once_and_dropped_with_the_weights(monkeypatch):
+    # PackedLinears keeps one DecodeLayers per model: built on the first step it can take (a
+    # step of too many rows is refused, not remembered), kept over steps and cache buffers
+    # that change, rebuilt for another model and after clear() (weights changed)
+    from RL2.rollout import llama_forward
+    from RL2.rollout.kv_cache import BatchKV
+
+    model, pl = _model(3), onednn.PackedLinears(small=True)
+    made, make = [], small_gemm.DecodeLayers.make
+
+    def counting_make(*a, **kw):
+        made.append(make(*a, **kw))
+        return made[-1]
+
+    def steps(rows, n=2):
+        prompts = [[(3 * i + j) % 500 for j in range(4 + i % 7)] for i in range(rows)]
+        logits, keys, values, lens = llama_forward.prefill(model, prompts, [None] * rows, "cpu", pl)
+        kv, last = BatchKV(), logits.argmax(-1)
+        kv.add(keys, values, lens, room=n)
+        for _ in range(n):
+            kv.reserve(1)
+            last = llama_forward.decode(model, last, kv, pl).argmax(-1)
+            kv.advance()
+
+    monkeypatch.setattr(small_gemm.DecodeLayers, "make", counting_make)
+    steps(small_gemm.MAX_ROWS + 1)  # over the kernel's rows: op by op, nothing kept
+    assert made == [] and pl._layers is None
+    steps(3)
+    steps(4)  # another cache: the same layout, re-pointed
+    assert len(made) == 1 and made[0] is not None and pl._layers[1] is made[0]
+    pl.clear()
+    steps(3)
+    assert len(made) == 2 and pl._layers[1] is made[1]
+    other = _model(4)
+    model = other
+    steps(3)
+    assert len(made) == 3 and pl._layers[0] is other.model.layers
 
 
 @needs_kernel

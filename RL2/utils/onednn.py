@@ -206,20 +206,27 @@ class PackedLinears:
     def decode_layers(self, layers, x: torch.Tensor, rope: tuple, cache: tuple,
                       bias: torch.Tensor) -> torch.Tensor | None:
         """A decode step's decoder layers (`layers`, the model's) in one call of RL2's kernel
-        (`small_gemm.DecodeLayers`, laid out on first use and kept until `clear`; x, rope,
-        cache, bias as its call takes them), or None where the kernel does not take them."""
+        (`small_gemm.DecodeLayers`; x, rope, cache, bias as its call takes them), or None where
+        the kernel does not take them (all layers or none: the caller then runs them op by op).
+        Laid out on first use with the weights, biases and norms as they are then, and kept
+        until `clear`, which the owner calls whenever weights change."""
         if not self.small or x.dtype != torch.float32:
             return None
-        if self._layers is None or self._layers[0] is not layers:
+        cached = self._layers
+        if cached is None or cached[0] is not layers:
             if not 0 < x.shape[0] <= small_gemm.MAX_ROWS:  # a step's size: not kept as a refusal
                 return None
-            self._layers = (layers, self._decode_layers(layers, x))
-        return self._layers[1](x, rope, cache, bias) if self._layers[1] is not None else None
+            cached = self._layers = (layers, self._decode_layers(layers, x))
+        return cached[1](x, rope, cache, bias) if cached[1] is not None else None
 
     def _decode_layers(self, layers, x: torch.Tensor):
-        args = []
+        args, first = [], layers[0].self_attn if len(layers) else None
         for layer in layers:
             attn, mlp = layer.self_attn, layer.mlp
+            if (getattr(attn, "head_dim", 0) != getattr(first, "head_dim", 0)
+                    or attn.scaling != first.scaling
+                    or attn.k_proj.weight.shape != first.k_proj.weight.shape):
+                return None  # one head size, scale and K/V width for all layers
             n1, n2 = layer.input_layernorm, layer.post_attention_layernorm
             qkv = (attn.q_proj, attn.k_proj, attn.v_proj)
             d = getattr(attn, "head_dim", 0)
@@ -240,9 +247,10 @@ class PackedLinears:
             args.append(dict(norm1=(n1.weight, n1.variance_epsilon), qkv=packed[0], o=packed[1],
                              norm2=(n2.weight, n2.variance_epsilon), glu=packed[2], down=packed[3],
                              qk_norm=qk))
-        attn = layers[0].self_attn
-        return small_gemm.DecodeLayers.make(args, attn.k_proj.weight.shape[0] // attn.head_dim,
-                                            attn.head_dim, attn.scaling)
+        if not args:
+            return None
+        return small_gemm.DecodeLayers.make(args, first.k_proj.weight.shape[0] // first.head_dim,
+                                            first.head_dim, first.scaling)
 
     def _kernel_weights(self, x: torch.Tensor, projs: tuple, glu: bool = False,
                         order: tuple | None = None) -> tuple | None:

@@ -233,11 +233,13 @@ void rl2_small_gemm(const float* x, int64_t M, int64_t K, const float* w, int64_
       e.mask = tail16(last);
       const float* w0 = w + s * 16 * K;
       const float* w1 = two ? w0 + 16 * K : 0;
-      /* the panel's next one, where this thread most likely goes on (static schedule) */
-      const float* next = w0 + (two ? 32 : 16) * K;
       for (int64_t g = 0; g < M; g += GROUP) {
         int64_t gm = M - g < GROUP ? M - g : GROUP, passes = (gm + ROWS - 1) / ROWS;
         int64_t kc = passes > 1 ? KC : K;
+        /* what follows the group's last chunk: the next group's start of this panel, else
+         * the next panel, where this thread most likely goes on (static schedule) */
+        const float* next0 = g + gm < M ? w0 : w0 + (two ? 32 : 16) * K;
+        const float* next1 = g + gm < M ? (w1 ? w1 : w0) : next0 + 16 * K;
         for (int64_t k0 = 0; k0 < K; k0 += kc) {
           int64_t k1 = K - k0 < kc ? K : k0 + kc;
           for (int64_t i = 0; i < passes; i++) {
@@ -256,8 +258,8 @@ void rl2_small_gemm(const float* x, int64_t M, int64_t K, const float* w, int64_
             int every = 1;
             if (passes > 1) {
               int64_t skip = (k1 - k0) * i / passes;
-              p0 = k1 < K ? w0 + (k1 + skip) * 16 : next + skip * 16;
-              p1 = k1 < K ? (w1 ? w1 : w0) + (k1 + skip) * 16 : next + (16 * K) + skip * 16;
+              p0 = k1 < K ? w0 + (k1 + skip) * 16 : next0 + skip * 16;
+              p1 = k1 < K ? (w1 ? w1 : w0) + (k1 + skip) * 16 : next1 + skip * 16;
               every = (int)passes;
             }
             PANELS[rows](a + m * K, K, k0, k1, w0, w1, acc + 32 * (m - g), y + m * N + n0, N,

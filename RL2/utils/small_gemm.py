@@ -32,6 +32,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import weakref
 from functools import lru_cache
 
 import torch
@@ -334,7 +335,7 @@ class DecodeLayers:
     def __init__(self, lib, table, tensors, dims, scale):
         self.lib, self.table, self.tensors, self.scale = lib, table, tensors, scale
         self.hidden, self.heads, self.kv_heads, self.d, self.inter = dims
-        self.kv = None  # (keys' shape, addresses of the cache buffers) the table points to
+        self.kv = None  # weak references to the cache buffers the table points to
 
     @classmethod
     def make(cls, layers: list[dict], kv_heads: int, head_dim: int, scale: float):
@@ -378,20 +379,21 @@ class DecodeLayers:
         return cls(lib, table, tensors, (hidden, heads, kv_heads, d, inter), float(scale))
 
     def _point_at(self, keys: list, values: list) -> bool:
-        """Point the table at these cache buffers (checked when they change)."""
-        shape = keys[0].shape
-        if self.kv is not None and self.kv[0] == shape and self.kv[1] == [
-                t.data_ptr() for t in keys + values]:
+        """Point the table at these cache buffers, checked when they are other tensors than
+        last time (weak references: a dropped cache is not kept alive here)."""
+        bufs = list(keys) + list(values)
+        if self.kv is not None and len(bufs) == len(self.kv) and all(
+                ref() is t for ref, t in zip(self.kv, bufs)):
             return True
         self.kv = None
-        bufs = list(keys) + list(values)
+        shape = bufs[0].shape if bufs else None
         if (len(keys) != len(self.table) or len(values) != len(self.table) or len(shape) != 4
                 or shape[1] != self.kv_heads or shape[3] != self.d
                 or any(t.shape != shape for t in bufs) or not _plain(*bufs)):
             return False
         for entry, k, v in zip(self.table, keys, values):
             entry.kbuf, entry.vbuf = k.data_ptr(), v.data_ptr()
-        self.kv = (shape, [t.data_ptr() for t in bufs])
+        self.kv = [weakref.ref(t) for t in bufs]
         return True
 
     def __call__(self, x: torch.Tensor, rope: tuple, cache: tuple,

@@ -10,7 +10,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from RL2.rollout.engine import SamplingParams
 from RL2.rollout.torch_engine import TorchEngine
-from RL2.utils import onednn
+from RL2.utils import onednn, small_gemm
 from tests.run_utils import assert_close, run_trainer, sft_args, train_rows
 
 pytestmark = pytest.mark.skipif(not onednn.available(), reason="this torch has no oneDNN")
@@ -184,3 +184,26 @@ def test_sft_with_onednn_matches_aten(assets, tmp_path):
         assert_close(train_rows(runs["onednn"], key), train_rows(runs["aten"], key), 1e-5, key)
     proc = run_trainer("sft", 1, sft_args(assets, "actor.cpu_matmul=mkl"), tmp_path / "bad", check=False)
     assert proc.returncode != 0 and "cpu_matmul='mkl'" in proc.stderr + proc.stdout
+
+
+@pytest.mark.skipif(small_gemm.load()[0] is None, reason="RL2's kernel does not build here")
+def test_backward_transposes_through_the_kernel_with_the_same_bits(counted, monkeypatch):
+    # the weight and input gradients' operands are transposed by RL2's kernel (fix 37): an exact
+    # copy, so the gradients are bit for bit those of PyTorch's strided copy
+    torch.manual_seed(0)
+    x0, w0, g = torch.randn(2, 45, 96), torch.randn(80, 96), torch.randn(2, 45, 80)
+    real, used = small_gemm.transpose, {"n": 0}
+
+    def counting(t):
+        used["n"] += 1
+        return real(t)
+
+    grads = []
+    for kernel in (counting, lambda t: None):
+        monkeypatch.setattr(small_gemm, "transpose", kernel)
+        x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+        onednn.linear(x, w).backward(g)
+        grads.append((x.grad, w.grad))
+    assert used["n"] == 3  # W for the input gradient, g and x for the weight gradient
+    assert counted["n"] == 6
+    assert all(torch.equal(a, b) for a, b in zip(*grads))

@@ -659,3 +659,23 @@ def test_without_a_working_compiler_the_engine_keeps_onednn_and_says_why(tmp_pat
         assert "no C compiler" in why
     else:
         assert "could not build" in why and "no input" in why
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows,cols", [(1, 1), (16, 16), (17, 33), (64, 16), (65, 200), (1376, 1536),
+                                       (100, 7)])
+def test_transpose_equals_torch_for_any_shape_row_stride_and_thread_count(rows, cols):
+    # full 16 x 16 blocks go through registers, edge blocks element by element: every shape
+    # here has one or both; a row stride past the row (a column slice) is read as such
+    x = torch.randn(rows, cols + 5)
+    for src in (x[:, :cols].contiguous(), x[:, 2:2 + cols]):
+        _same_bits_with_1_2_3_threads(lambda: small_gemm.transpose(src))
+        assert torch.equal(small_gemm.transpose(src), src.t().contiguous())
+
+
+@needs_kernel
+def test_transpose_declines_what_it_does_not_take():
+    assert small_gemm.transpose(torch.randn(4, 6, dtype=torch.float64)) is None
+    assert small_gemm.transpose(torch.randn(6, 4).t()) is None  # columns not contiguous
+    assert small_gemm.transpose(torch.randn(2, 3, 4)) is None
+    assert small_gemm.transpose(torch.randn(0, 4)).shape == (4, 0)

@@ -37,6 +37,10 @@ def init_distributed(device: str = "auto") -> str:
             os.environ["MASTER_PORT"] = str(port_below_ephemeral(host="127.0.0.1"))
         if device == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        else:  # a CPU step's tensors are malloc'd memory: reuse it, no fresh pages each step
+            from RL2.utils.process import keep_freed_memory
+
+            keep_freed_memory()
         dist.init_process_group("nccl" if device == "cuda" else "gloo")
     return device
 

@@ -63,6 +63,14 @@ def _eligible(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and type(x) is torch.Tensor)
 
 
+def _transposed(x: torch.Tensor) -> torch.Tensor:
+    """x.t().contiguous(): oneDNN's product wants both operands with the contraction dimension
+    last. RL2's kernel moves a [1376, 1536] fp32 matrix ~4x faster than PyTorch's strided copy,
+    which took 15% of a 2-thread policy update (benchmarks/README.md, fix 37)."""
+    y = small_gemm.transpose(x) if x.dtype == torch.float32 else None
+    return x.t().contiguous() if y is None else y
+
+
 class OneDNNLinear(torch.autograd.Function):
     """y = x @ W.T + b with all three matmuls (forward, input and weight gradients) in oneDNN."""
 
@@ -78,9 +86,9 @@ class OneDNNLinear(torch.autograd.Function):
         g = grad.reshape(-1, grad.shape[-1])
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:  # g @ W: W.T [in, out] is the "weight" of this product
-            grad_x = _mm(g, weight.t().contiguous(), None).view(*grad.shape[:-1], weight.shape[1])
+            grad_x = _mm(g, _transposed(weight), None).view(*grad.shape[:-1], weight.shape[1])
         if ctx.needs_input_grad[1]:  # g.T @ x: rows are output features, contraction over tokens
-            grad_w = _mm(g.t().contiguous(), x.reshape(-1, x.shape[-1]).t().contiguous(), None)
+            grad_w = _mm(_transposed(g), _transposed(x.reshape(-1, x.shape[-1])), None)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = g.sum(0)
         return grad_x, grad_w, grad_b

@@ -814,3 +814,51 @@ void rl2_attn_sum(const float* part, int64_t G, int64_t n, float* dst, int threa
     _mm512_mask_storeu_ps(dst + i, m, a);
   }
 }
+
+/* 16 x 16 block: dst[c * ldd + r] = src[r * lds + c] for r < R, c < C (R, C <= 16) */
+static inline void transpose16(const float* src, int64_t lds, float* dst, int64_t ldd, int R, int C) {
+  if (R < 16 || C < 16) {
+    for (int c = 0; c < C; c++)
+      for (int r = 0; r < R; r++) dst[c * ldd + r] = src[r * lds + c];
+    return;
+  }
+  __m512 a[16], b[16];
+  for (int r = 0; r < 16; r++) a[r] = _mm512_loadu_ps(src + r * lds);
+  /* 32-bit, then 64-bit interleaves of row pairs, then two exchanges of 128-bit lanes */
+  for (int r = 0; r < 16; r += 2) {
+    b[r] = _mm512_unpacklo_ps(a[r], a[r + 1]);
+    b[r + 1] = _mm512_unpackhi_ps(a[r], a[r + 1]);
+  }
+  for (int r = 0; r < 16; r += 4) {
+    __m512d p0 = _mm512_castps_pd(b[r]), p1 = _mm512_castps_pd(b[r + 1]);
+    __m512d p2 = _mm512_castps_pd(b[r + 2]), p3 = _mm512_castps_pd(b[r + 3]);
+    a[r] = _mm512_castpd_ps(_mm512_unpacklo_pd(p0, p2));
+    a[r + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(p0, p2));
+    a[r + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(p1, p3));
+    a[r + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(p1, p3));
+  }
+  /* a[4q + j] holds, in lane l (of 4), element j + 4 * ... : column (4 l + j') of rows 4q..4q+3 */
+  for (int h = 0; h < 16; h += 8)
+    for (int j = 0; j < 4; j++) {
+      b[h + j] = _mm512_shuffle_f32x4(a[h + j], a[h + 4 + j], 0x88);
+      b[h + 4 + j] = _mm512_shuffle_f32x4(a[h + j], a[h + 4 + j], 0xdd);
+    }
+  for (int j = 0; j < 8; j++) {
+    a[j] = _mm512_shuffle_f32x4(b[j], b[8 + j], 0x88);
+    a[8 + j] = _mm512_shuffle_f32x4(b[j], b[8 + j], 0xdd);
+  }
+  for (int c = 0; c < 16; c++) _mm512_storeu_ps(dst + c * ldd, a[c]);
+}
+
+/* dst[C, R] = src[R, C]^T (row strides lds, ldd): a training linear's weight gradient and
+ * input gradient want their operands with the token dimension last (onednn.py); PyTorch's
+ * strided copy moved them at a quarter of this pace. */
+void rl2_transpose(const float* src, int64_t R, int64_t C, int64_t lds, float* dst, int64_t ldd,
+                   int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static) collapse(2)
+  for (int64_t c = 0; c < C; c += 16)
+    for (int64_t r = 0; r < R; r += 64)
+      for (int64_t rr = r; rr < r + 64 && rr < R; rr += 16)
+        transpose16(src + rr * lds + c, lds, dst + c * ldd + rr, ldd,
+                    R - rr < 16 ? (int)(R - rr) : 16, C - c < 16 ? (int)(C - c) : 16);
+}

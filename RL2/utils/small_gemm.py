@@ -167,9 +167,10 @@ def load():
         lib.rl2_attn_bwd.argtypes = [p, i, i, p, p, i, i, p, p, p, i, i, i, i, p, p, i, f, p, i, p, p,
                                      p, ctypes.c_int]
         lib.rl2_attn_sum.argtypes = [p, i, i, p, ctypes.c_int]
+        lib.rl2_transpose.argtypes = [p, i, i, i, p, i, ctypes.c_int]
         for fn in (lib.rl2_rms_norm, lib.rl2_silu_mul, lib.rl2_rope, lib.rl2_rms_norm_fwd,
                    lib.rl2_rms_norm_bwd, lib.rl2_glu_fwd, lib.rl2_glu_bwd, lib.rl2_attn_fwd,
-                   lib.rl2_attn_bwd, lib.rl2_attn_sum):
+                   lib.rl2_attn_bwd, lib.rl2_attn_sum, lib.rl2_transpose):
             fn.restype = None
         if len(openmp_libraries()) != 1:
             return None, "loading the kernel brought a second OpenMP runtime"
@@ -471,4 +472,18 @@ def rope_(y: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int) -> 
     ld = y.shape[1]
     lib.rl2_rope(y.data_ptr(), ld, d, y.data_ptr(), ld, y.shape[0], heads, d, cos.data_ptr(),
                  sin.data_ptr(), 0, torch.get_num_threads())
+    return y
+
+
+def transpose(x: torch.Tensor) -> torch.Tensor | None:
+    """x.t().contiguous() of a 2-d fp32 x whose rows are contiguous (any row stride), in one
+    blocked pass; None where the kernel does not take it."""
+    lib = load()[0]
+    if (lib is None or x.dim() != 2 or x.dtype != torch.float32 or x.device.type != "cpu"
+            or (x.shape[1] > 1 and x.stride(1) != 1) or type(x) is not torch.Tensor):
+        return None
+    y = x.new_empty(x.shape[1], x.shape[0])
+    if x.numel():
+        lib.rl2_transpose(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), y.data_ptr(),
+                          x.shape[0], torch.get_num_threads())
     return y

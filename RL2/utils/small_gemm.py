@@ -480,7 +480,8 @@ def transpose(x: torch.Tensor) -> torch.Tensor | None:
     blocked pass; None where the kernel does not take it."""
     lib = load()[0]
     if (lib is None or x.dim() != 2 or x.dtype != torch.float32 or x.device.type != "cpu"
-            or (x.shape[1] > 1 and x.stride(1) != 1) or type(x) is not torch.Tensor):
+            or (x.shape[1] > 1 and x.stride(1) != 1)
+            or type(x) not in (torch.Tensor, torch.nn.Parameter)):  # not a DTensor / subclass
         return None
     y = x.new_empty(x.shape[1], x.shape[0])
     if x.numel():

@@ -9,14 +9,34 @@ from RL2.parallel.collectives import gather_objects
 from tests.dist_utils import run_dist
 
 
+def _kinds(rank: int) -> dict:
+    # what trajectories and per-sample results hold, and tensors the byte path must leave to
+    # PyTorch's own pickling (requires_grad, a Parameter, complex)
+    g = torch.Generator().manual_seed(rank)
+    return {"rank": rank, "t": torch.arange(3) + rank, "f": torch.randn(2, 5, generator=g),
+            "strided": torch.randn(4, 6, generator=g)[:, ::2], "scalar": torch.tensor(2.5 + rank),
+            "empty": torch.zeros(0, 3), "bf16": torch.randn(3, generator=g).bfloat16(),
+            "mask": torch.tensor([True, rank == 1]), "grad": torch.ones(2, requires_grad=True),
+            "param": torch.nn.Parameter(torch.ones(2)), "complex": torch.ones(2, dtype=torch.complex64),
+            "other": [1, "x", None]}
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return (type(a) is type(b) and a.dtype == b.dtype and a.shape == b.shape
+                and a.requires_grad == b.requires_grad and torch.equal(a.detach(), b.detach()))
+    return a == b
+
+
 def _gather(rank, world):
-    obj = {"rank": rank, "t": torch.arange(3) + rank}
-    return [(o["rank"], o["t"].tolist()) for o in gather_objects(obj)]
+    got = gather_objects(_kinds(rank))
+    return [all(_same(v, o[k]) for k, v in _kinds(r).items()) and o.keys() == _kinds(r).keys()
+            for r, o in enumerate(got)]
 
 
 def test_gather_objects_returns_every_rank_in_order():
-    expected = [(0, [0, 1, 2]), (1, [1, 2, 3])]
-    assert run_dist(_gather, 2) == [expected, expected]
+    # tensors travel as their bytes (fix 39): equal in type, dtype, shape, values, requires_grad
+    assert run_dist(_gather, 2) == [[True, True], [True, True]]
 
 
 def _new_threads(fn) -> int:
@@ -43,3 +63,11 @@ def test_one_rank_gather_makes_no_openmp_team_on_gloo_threads():
     skipped, gloo = run_dist(_one_rank_threads, 1)[0]
     assert skipped == 0
     assert gloo >= 1  # if this stops holding (torch/gloo changed), the skip is only a saving
+
+
+def test_plain_cpu_tensors_pickle_as_their_bytes():
+    from RL2.parallel.collectives import _dumps
+
+    plain = _dumps({"ids": torch.arange(100), "logps": torch.randn(100)})
+    assert b"_tensor_from_bytes" in plain and b"_rebuild_tensor" not in plain  # not torch.save's
+    assert b"_rebuild" in _dumps(torch.ones(2, requires_grad=True))  # left to PyTorch

@@ -1,6 +1,7 @@
 """gather_objects: all_gather_object's result on every group size, and why a one-rank group
 skips the collective (the OpenMP team a gloo copy creates on gloo's worker thread)."""
 import os
+import pickle
 
 import torch
 import torch.distributed as dist
@@ -71,3 +72,9 @@ def test_plain_cpu_tensors_pickle_as_their_bytes():
     plain = _dumps({"ids": torch.arange(100), "logps": torch.randn(100)})
     assert b"_tensor_from_bytes" in plain and b"_rebuild_tensor" not in plain  # not torch.save's
     assert b"_rebuild" in _dumps(torch.ones(2, requires_grad=True))  # left to PyTorch
+    tagged = torch.ones(2)
+    tagged.note = "kept"
+    odd = [torch._neg_view(torch.ones(3)), torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]),
+           tagged]
+    back = pickle.loads(_dumps(odd))  # each left to PyTorch's reduction, which keeps them
+    assert torch.equal(back[0], -torch.ones(3)) and back[1].is_nested and back[2].note == "kept"

@@ -4,8 +4,8 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import textwrap
+import time
 
 import pytest
 

@@ -679,3 +679,4 @@ def test_transpose_declines_what_it_does_not_take():
     assert small_gemm.transpose(torch.randn(6, 4).t()) is None  # columns not contiguous
     assert small_gemm.transpose(torch.randn(2, 3, 4)) is None
     assert small_gemm.transpose(torch.randn(0, 4)).shape == (4, 0)
+    assert small_gemm.transpose(torch._neg_view(torch.randn(20, 20))) is None  # lazy negation

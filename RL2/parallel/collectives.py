@@ -68,12 +68,13 @@ def _tensor_from_bytes(data: bytes, dtype: torch.dtype, shape: tuple) -> Tensor:
 
 
 def _reduce_tensor(t: Tensor):
-    """A plain CPU tensor pickled as its bytes: PyTorch's own reduction goes through torch.save
+    """A plain CPU tensor (exactly `Tensor`: the dispatch table matches the type) pickled as its
+    bytes, dtype and shape, received contiguous: PyTorch's own reduction goes through torch.save
     (~0.1 ms a tensor each way), 40 ms of the trajectory gather of a 2-process GRPO step of
-    16 x 5 small tensors (benchmarks/README.md, fix 39). Anything else: PyTorch's reduction."""
-    if (type(t) is Tensor and t.device.type == "cpu" and t.layout == torch.strided
-            and not t.requires_grad and not t.is_quantized and not t.is_complex()
-            and t.dtype.itemsize > 0):
+    16 x 5 small tensors (benchmarks/README.md, fix 39). Anything else (autograd, complex,
+    quantized, negative-bit, nested, Python attributes): PyTorch's reduction."""
+    if (t.device.type == "cpu" and t.layout == torch.strided and not t.requires_grad
+            and not (t.is_quantized or t.is_complex() or t.is_neg() or t.is_nested or t.__dict__)):
         data = t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
         return _tensor_from_bytes, (data, t.dtype, tuple(t.shape))
     return t.__reduce_ex__(pickle.HIGHEST_PROTOCOL)

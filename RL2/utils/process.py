@@ -75,11 +75,12 @@ _KEEP_FREED = False
 def keep_freed_memory() -> bool:
     """Let glibc's malloc keep freed blocks for reuse instead of handing them back to the OS.
 
-    By default blocks over a few MB are mmap'd and unmapped on free, and the heap's top is
-    trimmed, so every step's activations and gradients (hundreds of MB) come back as fresh pages:
-    ~77k page faults, ~0.15-0.2 s of system time in a 1.3 s policy update of the 25.7M model
-    with 2 threads (benchmarks/README.md, fix 38). The process keeps its peak instead, as
-    PyTorch's CUDA caching allocator does on a GPU. True when applied (glibc only); once a
+    By default glibc maps blocks above its threshold (128 KB, raised as mapped blocks are freed)
+    and unmaps them on free, and trims the heap's free top, so every step's activations and
+    gradients (hundreds of MB) come back as fresh pages: ~77k page faults, ~0.15-0.2 s of system
+    time in a 1.3 s policy update of the 25.7M model with 2 threads (benchmarks/README.md, fix
+    38). Each malloc arena of the process (and of children forked after) keeps its peak instead,
+    as PyTorch's CUDA caching allocator does on a GPU. True when applied (glibc only); once a
     process."""
     global _KEEP_FREED
     if _KEEP_FREED:
@@ -92,7 +93,7 @@ def keep_freed_memory() -> bool:
     except (OSError, AttributeError):
         return False
     m_trim_threshold, m_mmap_threshold = -1, -3  # malloc.h
-    # 32 MB: glibc's largest mmap threshold on 64-bit (DEFAULT_MMAP_THRESHOLD_MAX); bigger
-    # blocks are still mapped and unmapped, rare enough at these sizes
-    _KEEP_FREED = bool(mallopt(m_mmap_threshold, 32 << 20)) & bool(mallopt(m_trim_threshold, 2 ** 31 - 1))
+    # 32 MB, the ceiling of glibc's own dynamic threshold on 64-bit. Bigger blocks (a large
+    # vocabulary's logits) still fault anew: here a 64 MB block did so with a 1 GB threshold too.
+    _KEEP_FREED = bool(mallopt(m_mmap_threshold, 32 << 20)) and bool(mallopt(m_trim_threshold, 2 ** 31 - 1))
     return _KEEP_FREED

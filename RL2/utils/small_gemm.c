@@ -837,7 +837,7 @@ static inline void transpose16(const float* src, int64_t lds, float* dst, int64_
     a[r + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(p1, p3));
     a[r + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(p1, p3));
   }
-  /* a[4q + j] holds, in lane l (of 4), element j + 4 * ... : column (4 l + j') of rows 4q..4q+3 */
+  /* now a[4q + j], 128-bit lane l: column 4l + j of rows 4q..4q+3; two lane exchanges remain */
   for (int h = 0; h < 16; h += 8)
     for (int j = 0; j < 4; j++) {
       b[h + j] = _mm512_shuffle_f32x4(a[h + j], a[h + 4 + j], 0x88);

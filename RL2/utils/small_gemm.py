@@ -480,7 +480,7 @@ def transpose(x: torch.Tensor) -> torch.Tensor | None:
     blocked pass; None where the kernel does not take it."""
     lib = load()[0]
     if (lib is None or x.dim() != 2 or x.dtype != torch.float32 or x.device.type != "cpu"
-            or (x.shape[1] > 1 and x.stride(1) != 1)
+            or (x.shape[1] > 1 and x.stride(1) != 1) or x.is_neg()  # the bytes are copied as they are
             or type(x) not in (torch.Tensor, torch.nn.Parameter)):  # not a DTensor / subclass
         return None
     y = x.new_empty(x.shape[1], x.shape[0])

@@ -228,23 +228,25 @@ class PackedLinears:
         return cached[1](x, rope, cache, bias) if cached[1] is not None else None
 
     def _decode_layers(self, layers, x: torch.Tensor):
-        args, first = [], layers[0].self_attn if len(layers) else None
+        if not len(layers):
+            return None
+        first = layers[0].self_attn
+        d = getattr(first, "head_dim", 0)
+        if d <= 0 or d % 32:
+            return None
+        args = []
         for layer in layers:
             attn, mlp = layer.self_attn, layer.mlp
-            if (getattr(attn, "head_dim", 0) != getattr(first, "head_dim", 0)
-                    or attn.scaling != first.scaling
+            if (getattr(attn, "head_dim", 0) != d or attn.scaling != first.scaling
                     or attn.k_proj.weight.shape != first.k_proj.weight.shape):
                 return None  # one head size, scale and K/V width for all layers
             n1, n2 = layer.input_layernorm, layer.post_attention_layernorm
             qkv = (attn.q_proj, attn.k_proj, attn.v_proj)
-            d = getattr(attn, "head_dim", 0)
             qk = None
             if hasattr(attn, "q_norm"):  # Qwen3: per-head RMSNorms before the rotation
                 qk = ((attn.q_norm.weight, attn.q_norm.variance_epsilon),
                       (attn.k_norm.weight, attn.k_norm.variance_epsilon))
             n = sum(p.weight.shape[0] for p in qkv)
-            if d <= 0 or d % 32:
-                return None
             # the rotation inside the product, except after Qwen3's head norms
             order = None if qk else (n, (qkv[0].weight.shape[0] + qkv[1].weight.shape[0]) // d, d)
             packed = (self._kernel_weights(x, qkv, order=order), self._kernel_weights(x, (attn.o_proj,)),
@@ -255,10 +257,7 @@ class PackedLinears:
             args.append(dict(norm1=(n1.weight, n1.variance_epsilon), qkv=packed[0], o=packed[1],
                              norm2=(n2.weight, n2.variance_epsilon), glu=packed[2], down=packed[3],
                              qk_norm=qk))
-        if not args:
-            return None
-        return small_gemm.DecodeLayers.make(args, first.k_proj.weight.shape[0] // first.head_dim,
-                                            first.head_dim, first.scaling)
+        return small_gemm.DecodeLayers.make(args, first.k_proj.weight.shape[0] // d, d, first.scaling)
 
     def _kernel_weights(self, x: torch.Tensor, projs: tuple, glu: bool = False,
                         order: tuple | None = None) -> tuple | None:

@@ -476,8 +476,8 @@ void rl2_silu_mul(const float* gu, int64_t M, int64_t N, float* y, int threads) 
  * x2 sin1, y2 = x2 cos2 + x1 sin2 (halves 1 and 2 of a head). Backward (inverse), its
  * transpose: x1 = y1 cos1 + y2 sin2, x2 = y2 cos2 - y1 sin1. */
 void rl2_rope(const float* x, int64_t ldx, int64_t hs, float* y, int64_t ldy, int64_t M,
-                    int64_t heads, int64_t D, const float* cos, const float* sin, int inverse,
-                    int threads) {
+              int64_t heads, int64_t D, const float* cos, const float* sin, int inverse,
+              int threads) {
   int64_t half = D / 2;
 #pragma omp parallel for num_threads(threads) schedule(static)
   for (int64_t m = 0; m < M; m++)

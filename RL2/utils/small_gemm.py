@@ -228,13 +228,17 @@ def rope_order(n: int, heads: int, head_dim: int) -> torch.Tensor:
     return torch.cat([rows, torch.arange(heads * head_dim, n)])
 
 
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
 def _call(lib, x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None,
           res: torch.Tensor | None = None, norm: tuple | None = None, glu: bool = False,
           rope: tuple | None = None) -> torch.Tensor:
     k = x.shape[-1]
     x = x.contiguous()
     y = torch.empty(*x.shape[:-1], n, dtype=x.dtype)
-    ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
+    ptr = _ptr
     if bias is not None:
         bias = bias.detach().contiguous()
     if res is not None:
@@ -368,12 +372,11 @@ class DecodeLayers:
                         (qkv[2], qkv[1]), (o[2], hidden), (glu[2], 32 * strips(inter)),
                         (down[2], hidden)))):
                 return None
-            ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
             for name, t in (("norm1", a["norm1"][0]), ("qkv_w", qkv[0]), ("qkv_b", qkv[2]),
                             ("q_norm", qn[0]), ("k_norm", kn[0]), ("o_w", o[0]), ("o_b", o[2]),
                             ("norm2", a["norm2"][0]), ("gu_w", glu[0]), ("gu_b", glu[2]),
                             ("down_w", down[0]), ("down_b", down[2])):
-                setattr(entry, name, ptr(t))
+                setattr(entry, name, _ptr(t))
             entry.eps1, entry.eps2 = float(a["norm1"][1]), float(a["norm2"][1])
             entry.eps_q, entry.eps_k = float(qn[1]), float(kn[1])
             tensors += own

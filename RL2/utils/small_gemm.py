@@ -238,7 +238,6 @@ def _call(lib, x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor
     k = x.shape[-1]
     x = x.contiguous()
     y = torch.empty(*x.shape[:-1], n, dtype=x.dtype)
-    ptr = _ptr
     if bias is not None:
         bias = bias.detach().contiguous()
     if res is not None:
@@ -263,9 +262,9 @@ def _call(lib, x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor
                 or sin.shape != cos.shape or cos.dtype != x.dtype or sin.dtype != x.dtype):
             raise ValueError(f"rope: cos / sin {tuple(cos.shape)} {cos.dtype} for {heads} heads of "
                              f"{n} columns and {x.numel() // k} rows of {x.dtype}")
-    lib.rl2_small_gemm(x.data_ptr(), x.numel() // k, k, packed.data_ptr(), n, ptr(bias), ptr(res),
-                       ptr(norm_w), eps, ptr(h), y.data_ptr(), int(glu), heads, head_dim, ptr(cos),
-                       ptr(sin), torch.get_num_threads())
+    lib.rl2_small_gemm(x.data_ptr(), x.numel() // k, k, packed.data_ptr(), n, _ptr(bias), _ptr(res),
+                       _ptr(norm_w), eps, _ptr(h), y.data_ptr(), int(glu), heads, head_dim, _ptr(cos),
+                       _ptr(sin), torch.get_num_threads())
     return y
 
 

@@ -178,8 +178,10 @@ def test_rows_without_prompts_start_from_the_env_reset(assets, tmp_path):
 PRESETS = {
     "gspo": ["actor.policy_loss=gspo", "actor.avg_level=sequence", "actor.clip=3e-4", "actor.clip_high=4e-4",
              "adv.norm_var=true", "actor.update_per_rollout=2"],
+    # README's preset. With 2 epochs as well (K epochs: test_ppo_parallel) lr 2e-3 overshot on
+    # AMD's oneDNN numerics: first and last 10 steps' reward 0.261 / 0.264 (D's passed by chance)
     "cispo": ["actor.policy_loss=cispo", "actor.clip=1.0", "actor.clip_high=0.28",
-              "actor.update_per_rollout=2", "actor.update_epochs=2"],
+              "actor.update_per_rollout=2"],
 }
 
 

@@ -1,5 +1,6 @@
 """A worker: one HF model sharded over every rank (FSDP2 + optional TP/SP), its optimizer and
 scheduler, and the packed forward used by all trainers."""
+import inspect
 import logging
 import math
 
@@ -89,6 +90,9 @@ class Worker:
                         "embeddings through RL2's kernel", *cpu_ops.use_for_model(self.model),
                         cpu_ops.use_attention(self.model), cpu_ops.use_rope(self.model))
         self.config = self.model.config
+        # HF causal LMs (transformers >= 4.50) take positions to compute logits for
+        self.logits_for_actions_only = not value_head and "logits_to_keep" in inspect.signature(
+            self.model.forward).parameters
         check_sp_rope(rope_types(self.model), self.dims.sp)
         # ring attention's K/V blocks through shared memory, as FSDP's collectives (cpu_comm)
         self.ring_host = None
@@ -129,8 +133,10 @@ class Worker:
         """Per-token outputs of one micro-batch (local to this sp rank): `logps` (+`entropy`) of
         `labels` for a causal LM, `values` for a value model."""
         ctx = PackedContext(mb.cu_seqlens, mb.max_seqlen, self.dims.sp_group, self.ring_host)
+        keep = None if self.value_head else self._action_positions(mb)
         out = self.model(input_ids=mb.data["input_ids"][None], position_ids=mb.data["position_ids"][None],
-                         use_cache=False, **packed_kwargs(ctx))
+                         use_cache=False, **packed_kwargs(ctx),
+                         **({} if keep is None else {"logits_to_keep": keep}))
         logits = out.logits
         if self.value_head:
             if hasattr(logits, "full_tensor"):
@@ -138,11 +144,30 @@ class Worker:
             return {"values": upcast(logits[0, :, 0])}
         from RL2.parallel.vocab_logps import logps_and_entropy
 
-        logps, entropy = logps_and_entropy(logits[0], mb.data["labels"], temperature, need_entropy)
-        result = {"logps": logps}
-        if need_entropy:
-            result["entropy"] = entropy
+        labels = mb.data["labels"]
+        logps, entropy = logps_and_entropy(logits[0], labels if keep is None else labels[keep],
+                                           temperature, need_entropy)
+        result = {"logps": logps, "entropy": entropy} if need_entropy else {"logps": logps}
+        if keep is not None:  # 0 where no loss or metric reads a value (every use is masked);
+            # x 1 on action tokens, x 0 on a padding micro-batch's stand-in row
+            kept = mb.data["action_mask"][keep]
+            result = {k: v.new_zeros(len(labels)).index_copy(0, keep, v * kept)
+                      for k, v in result.items()}
         return result
+
+    def _action_positions(self, mb: MicroBatch) -> torch.Tensor | None:
+        """The positions whose log-probs anything reads (`action_mask`: every loss, KL, metric
+        and check weights by it), as indices for the model's `logits_to_keep`, so the lm_head
+        and the log-softmax skip prompts (TRL's GRPO does the same; the head is ~20% of a
+        SmolLM2 token's compute). None: every position (nothing to skip, or the model does not
+        take `logits_to_keep`)."""
+        if not self.logits_for_actions_only:
+            return None
+        mask = mb.data["action_mask"]
+        keep = mask.nonzero()[:, 0]
+        if len(keep) == len(mask):
+            return None
+        return keep if len(keep) else keep.new_zeros(1)  # a padding micro-batch: one row
 
     @torch.no_grad()
     def infer(self, samples: list[dict], key: str, **kw) -> list[torch.Tensor]:

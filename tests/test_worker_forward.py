@@ -1,0 +1,61 @@
+"""The worker's forward computes logits only where a log-prob is read (`action_mask`): the same
+log-probs, entropies and gradients as the full forward there, 0 elsewhere, and the lm_head sees
+only those rows; on one rank and split over a ring (sp=2)."""
+import os
+
+import pytest
+import torch
+
+from tests.dist_utils import run_dist
+
+
+def _actions_only_vs_full(rank, world, model_dir, data_dir, sp):
+    from omegaconf import OmegaConf
+
+    import RL2
+    from RL2.data.formats import tokenize_sft
+    from RL2.data.io import load_rows
+    from RL2.workers.actor import Actor
+    from transformers import AutoTokenizer
+
+    cfg = OmegaConf.load(os.path.join(os.path.dirname(RL2.__file__), "config/worker/default.yaml"))
+    cfg.model_name, cfg.dtype, cfg.sp_size = model_dir, "float32", sp
+    actor = Actor(cfg, "cpu", total_steps=1, seed=0)
+    assert actor.logits_for_actions_only  # an HF causal LM takes logits_to_keep
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    rows = load_rows(f"{data_dir}/sft_train.jsonl")
+    samples = [tokenize_sft(rows[i], tok, max_length=64, row_index=i, source="t") for i in range(6)]
+    (mb,) = actor.plan(samples)
+    acts = mb.data["action_mask"].bool()
+    assert 0 < acts.sum() < len(acts)  # prompts to skip and responses to keep on this rank
+    rows_seen = []
+    hook = actor.model.lm_head.register_forward_hook(
+        lambda m, args, out: rows_seen.append(args[0].shape[-2]))
+    runs = {}
+    for only in (False, True):
+        actor.logits_for_actions_only = only
+        actor.model.zero_grad(set_to_none=True)
+        out = actor.forward(mb, temperature=0.7, need_entropy=True)
+        ((out["logps"] - 0.1 * out["entropy"]) * mb.data["action_mask"]).sum().backward()
+        runs[only] = (out["logps"].detach(), out["entropy"].detach(),
+                      [p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad.clone()
+                       for p in actor.model.parameters()])
+    hook.remove()
+    assert rows_seen == [len(acts), int(acts.sum())]
+    (lp, ent, grads), (lp1, ent1, grads1) = runs[False], runs[True]
+    # the lm_head's rows are computed alone either way: equal up to the product's blocking
+    torch.testing.assert_close(lp1[acts], lp[acts], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(ent1[acts], ent[acts], rtol=1e-6, atol=1e-6)
+    assert not lp1[~acts].any() and not ent1[~acts].any()
+    for g, g1 in zip(grads, grads1):
+        assert (g1 - g).norm() <= 1e-5 * g.norm() + 1e-12
+    # a micro-batch with no action token (a padding one) still runs: one row, every value 0
+    mb.data["action_mask"] = torch.zeros_like(mb.data["action_mask"])
+    out = actor.forward(mb)
+    assert out["logps"].shape == acts.shape and not out["logps"].any()
+    return True
+
+
+@pytest.mark.parametrize("world,sp", [(1, 1), (2, 2)])
+def test_logits_only_where_log_probs_are_read(assets, world, sp):
+    assert run_dist(_actions_only_vs_full, world, assets["model"], assets["data"], sp) == [True] * world

@@ -1,13 +1,16 @@
 """PPO actor update vs SFT step on the same tokens (issue 20: within 1.1x per token).
 
     python -m benchmarks.bench_update [--quick] [--repeats 5] [--profile ppo|sft]
+                                      [--model DIR] [--logits-ab]
 
 One process, one rank, one thread: a GRPO-shaped batch (16 sequences of a ~22-token prompt +
 64 response tokens, the issue's workload) goes through `RL2.algorithms.sft.sft_update` and
 `RL2.algorithms.ppo.actor_update` (on-policy: one mini-batch, one epoch, no old log-probs, no
 KL) on the same Actor, alternating, timed in process CPU time (insensitive to other tenants).
 The table gives the median seconds of each and the ratio. `--profile` prints a torch.profiler
-table of one step instead.
+table of one step instead. `--model` takes an HF checkpoint instead of the issue's model (e.g.
+SmolLM2 from `python -m RL2.tools.smollm2 --out DIR`); `--logits-ab` adds the PPO step with
+logits at every position (`Worker.logits_for_actions_only` off) to the rounds.
 """
 import argparse
 import os
@@ -32,27 +35,39 @@ def make_batch(vocab: int, n: int = 16, prompt: int = 22, response: int = 64, se
     return samples
 
 
-def build(root: str, quick: bool):
+def build(root: str, quick: bool, model: str | None = None):
     from benchmarks.vs_trl_data import FULL_MODEL, QUICK_MODEL
     from RL2.tools.make_assets import build_tiny_model, build_tokenizer
     from RL2.utils.config import load_config
     from RL2.workers.actor import Actor
 
-    spec = dict(QUICK_MODEL if quick else FULL_MODEL)
-    tok = build_tokenizer(vocab_size=spec.pop("vocab"))
-    path = os.path.join(root, "model")
-    build_tiny_model(path, tok, "qwen2", **spec)
+    path = model
+    if path is None:
+        spec = dict(QUICK_MODEL if quick else FULL_MODEL)
+        tok = build_tokenizer(vocab_size=spec.pop("vocab"))
+        path = os.path.join(root, "model")
+        build_tiny_model(path, tok, "qwen2", **spec)
     cfg = load_config("ppo", [f"actor.model_name={path}", "data.train.path=unused",
                               "actor.rollout.env_path=unused", "actor.lr=1e-6", "kl.coef=0"])
-    return Actor(cfg.actor, "cpu", total_steps=10 ** 6), cfg, len(tok)
+    actor = Actor(cfg.actor, "cpu", total_steps=10 ** 6)
+    return actor, cfg, actor.config.vocab_size
 
 
-def steps(actor, cfg):
+def steps(actor, cfg, logits_ab: bool = False):
     from RL2.algorithms.ppo import actor_update
     from RL2.algorithms.sft import sft_update
 
-    return {"sft": lambda b: sft_update(actor, b),
-            "ppo": lambda b: actor_update(actor, b, cfg.actor, cfg.kl, seed=0)}
+    fns = {"sft": lambda b: sft_update(actor, b),
+           "ppo": lambda b: actor_update(actor, b, cfg.actor, cfg.kl, seed=0)}
+    if logits_ab:
+        def everywhere(b):
+            actor.logits_for_actions_only = False
+            try:
+                return fns["ppo"](b)
+            finally:
+                actor.logits_for_actions_only = True
+        fns["ppo, logits everywhere"] = everywhere
+    return fns
 
 
 def main(argv=None):
@@ -60,15 +75,18 @@ def main(argv=None):
     p.add_argument("--quick", action="store_true")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--profile", choices=["sft", "ppo"])
+    p.add_argument("--model", help="an HF checkpoint directory instead of the issue's model")
+    p.add_argument("--logits-ab", action="store_true",
+                   help="also time the PPO step with logits at every position")
     args = p.parse_args(argv)
     setup_threads(1, "cpu")
     from RL2.parallel.mesh import init_distributed
 
     init_distributed("cpu")
     with tempfile.TemporaryDirectory() as root:
-        actor, cfg, vocab = build(root, args.quick)
+        actor, cfg, vocab = build(root, args.quick, args.model)
         batch = make_batch(vocab)
-        fns = steps(actor, cfg)
+        fns = steps(actor, cfg, args.logits_ab)
         for f in fns.values():
             f(batch)  # warm-up
         if args.profile:
@@ -89,6 +107,9 @@ def main(argv=None):
     print(table(["step", "tokens", "CPU s (median)", "ms / token"],
                 [[k, tokens, median(v), 1000 * median(v) / tokens] for k, v in times.items()]))
     print(f"\nPPO / SFT per token (median of per-round ratios, {args.repeats} rounds): {ratio:.3f}")
+    if args.logits_ab:
+        ab = median([a / e for a, e in zip(times["ppo"], times["ppo, logits everywhere"])])
+        print(f"PPO with logits on action tokens only / everywhere (median of per-round ratios): {ab:.3f}")
 
 
 if __name__ == "__main__":

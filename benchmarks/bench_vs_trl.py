@@ -1,9 +1,11 @@
 """RL2 vs TRL side by side on TRL's own workloads (issue 20), in one invocation.
 
     python -m benchmarks.bench_vs_trl [--quick] [--repeats 3] [--only sft dpo grpo] [--no-trl]
+                                      [--model DIR]
 
 Same model (Qwen2 from a config: hidden 512, 8 layers, 8/4 heads, vocab 2048, 25.7M params; no
-download), same rows (benchmarks/vs_trl_data.py), same settings (fp32, AdamW lr 1e-5, clip 1.0):
+download; or a checkpoint with `--model DIR`, e.g. SmolLM2-135M), same rows
+(benchmarks/vs_trl_data.py), same settings (fp32, AdamW lr 1e-5, clip 1.0):
 - SFT: ~1020 tokens/step, packed (TRL: BFD packing into 1024-token rows, batch 1; RL2: the same
   sequences grouped by best-fit decreasing into <= 1024 tokens per step);
 - DPO: 4 pairs/step, beta 0.1, the reference model run live every step;
@@ -167,8 +169,7 @@ def run(args) -> str:
                                          "`trl` is not installed (pip install trl to compare)"))
     raw = {}
     with tempfile.TemporaryDirectory() as root:
-        spec = QUICK_MODEL if args.quick else FULL_MODEL
-        build_assets(root, spec)
+        build_assets(root, args.model or (QUICK_MODEL if args.quick else FULL_MODEL))
         from transformers import AutoModelForCausalLM
 
         from benchmarks.common import params_of
@@ -191,7 +192,8 @@ def run(args) -> str:
     # A column's peak: the matmul rate of the cores it uses (2 x 1 = two one-thread processes).
     col_peak = {c: 2 * peak[1] if "2x1" in c else peak[args.threads] for c in columns}
     results = {w: {c: summarize(w, st, n_params) for c, st in r.items()} for w, r in raw.items()}
-    head = (f"### RL2 vs TRL ({machine_description('cpu', args.threads)}; model {n_params / 1e6:.1f}M "
+    name = f"{os.path.basename(os.path.normpath(args.model))}, " if args.model else ""
+    head = (f"### RL2 vs TRL ({machine_description('cpu', args.threads)}; model {name}{n_params / 1e6:.1f}M "
             f"params; {args.dtype}; matmul peak {peak[1] / 1e9:.0f} GFLOP/s with 1 thread, "
             f"{peak[args.threads] / 1e9:.0f} with {args.threads} (medians of {len(args.only)} "
             f"measurements in this run); medians of {args.repeats} steps after 1 warm-up; "
@@ -218,6 +220,8 @@ def parse_args(argv=None):
     p.add_argument("--repeats", type=int, default=None, help="measured steps (default 3, quick 1)")
     p.add_argument("--only", nargs="*", choices=WORKLOADS, default=list(WORKLOADS))
     p.add_argument("--no-trl", action="store_true", help="skip TRL even when it is installed")
+    p.add_argument("--model", help="an HF checkpoint directory (with its tokenizer) instead of "
+                                   "the issue's model, e.g. SmolLM2: python -m RL2.tools.smollm2 --out DIR")
     p.add_argument("--threads", type=int, default=2,
                    help="threads of TRL's process and of RL2's one-process run (the issue: 2)")
     p.add_argument("--new-tokens", type=int, default=None, help="GRPO tokens per sample (64; quick 16)")

@@ -26,14 +26,21 @@ def _words(rng: random.Random, n: int) -> str:
     return " ".join(rng.choices(WORDS, k=n))
 
 
-def build_assets(root: str, model: dict, n_sft: int = 8, n_pairs: int = 64, n_prompts: int = 64,
-                 seed: int = 0) -> str:
-    """Write root/model (config-built weights + tokenizer) and root/{sft,dpo,grpo}.json."""
+def build_assets(root: str, model: dict | str, n_sft: int = 8, n_pairs: int = 64,
+                 n_prompts: int = 64, seed: int = 0) -> str:
+    """Write root/model (config-built weights + tokenizer from the `model` spec, or a link to
+    the checkpoint directory `model`) and root/{sft,dpo,grpo}.json."""
     from RL2.tools.make_assets import build_tiny_model, build_tokenizer
 
-    kw = dict(model)
-    tok = build_tokenizer(vocab_size=kw.pop("vocab"))
-    build_tiny_model(os.path.join(root, "model"), tok, "qwen2", max_pos=2048, **kw)
+    if isinstance(model, str):  # a checkpoint with its tokenizer, e.g. SmolLM2
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(model)
+        os.symlink(os.path.abspath(model), os.path.join(root, "model"))
+    else:
+        kw = dict(model)
+        tok = build_tokenizer(vocab_size=kw.pop("vocab"))
+        build_tiny_model(os.path.join(root, "model"), tok, "qwen2", max_pos=2048, **kw)
     g = torch.Generator().manual_seed(seed)
     sft = [{"input_ids": torch.randint(4, len(tok), (n,), generator=g).tolist()}
            for _ in range(n_sft) for n in SFT_ROW]

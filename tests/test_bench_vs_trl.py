@@ -68,3 +68,17 @@ def test_bench_vs_trl_quick_runs_end_to_end(tmp_path):
             ran = cells[2:] if workload == "grpo" else cells[2:-1]  # rg1: an engine per rank, GRPO only
             assert cells[1] == "skipped" and all("% peak)" in c for c in ran), row
             assert workload == "grpo" or cells[-1] == "skipped", row
+
+
+def test_assets_from_a_checkpoint_link_it_and_fit_its_tokenizer(assets, tmp_path):
+    """`--model DIR`: root/model is the checkpoint itself and every row is in its vocabulary."""
+    from transformers import AutoTokenizer
+
+    from benchmarks.vs_trl_data import build_assets, load_rows
+
+    model = build_assets(str(tmp_path), assets["model"], n_sft=1, n_pairs=2, n_prompts=2)
+    assert os.path.realpath(model) == os.path.realpath(assets["model"])
+    tok = AutoTokenizer.from_pretrained(model)
+    ids = [i for r in load_rows(str(tmp_path), "sft") for i in r["input_ids"]]
+    assert ids and max(ids) < len(tok)
+    assert len(load_rows(str(tmp_path), "dpo")) == 2 and len(load_rows(str(tmp_path), "grpo")) == 2

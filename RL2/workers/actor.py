@@ -8,7 +8,8 @@ from RL2.workers.worker import Worker
 
 class Actor(Worker):
     def compute_logps(self, samples: list[dict], temperature: float = 1.0) -> list[torch.Tensor]:
-        """Per-token log-probs of every sample's labels (no grad), in order, on every rank."""
+        """Per-token log-probs of every sample's labels (no grad), in order, on every rank; 0
+        outside `action_mask` (`Worker._action_positions`)."""
         return self.infer(samples, "logps", temperature=temperature)
 
     def sequence_logps(self, mb, logps: torch.Tensor) -> torch.Tensor:

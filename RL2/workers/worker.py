@@ -131,7 +131,8 @@ class Worker:
     # ----- forward -----
     def forward(self, mb: MicroBatch, temperature: float = 1.0, need_entropy: bool = False) -> dict:
         """Per-token outputs of one micro-batch (local to this sp rank): `logps` (+`entropy`) of
-        `labels` for a causal LM, `values` for a value model."""
+        `labels` for a causal LM (0 outside `action_mask` when the model takes
+        `logits_to_keep`), `values` for a value model."""
         ctx = PackedContext(mb.cu_seqlens, mb.max_seqlen, self.dims.sp_group, self.ring_host)
         keep = None if self.value_head else self._action_positions(mb)
         out = self.model(input_ids=mb.data["input_ids"][None], position_ids=mb.data["position_ids"][None],

@@ -241,3 +241,17 @@ def test_grad_norm_and_clip_plain_matches_torch():
     for p, q in zip(a, b):
         torch.testing.assert_close(p.grad, q.grad)
     assert abs(grad_norm_and_clip(a, None) - 1.0) < 1e-5  # no clip: just the (clipped) norm
+
+
+def test_cpu_chunks_stay_under_the_mmap_threshold():
+    """On the CPU a chunk's temporaries stay under the malloc threshold keep_freed_memory sets
+    (reused heap blocks, not fresh pages); GPUs keep the larger chunks."""
+    from RL2.utils.process import MMAP_THRESHOLD
+
+    for vocab in (11, 2048, 49152, 151936, 10 ** 7):
+        for dtype in (torch.float32, torch.float64):
+            rows = vocab_logps._chunk_rows(vocab, dtype, torch.device("cpu"))
+            assert rows >= 1
+            assert rows == 1 or rows * vocab * dtype.itemsize <= MMAP_THRESHOLD // 4
+        assert vocab_logps._chunk_rows(vocab, torch.float32, torch.device("cuda")) == max(
+            1, vocab_logps._CHUNK_ELEMENTS // vocab)

@@ -7,8 +7,15 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Partial
 
-# Logits/log-prob work is done in token chunks of about this many local-vocab elements.
+from RL2.utils.process import MMAP_THRESHOLD
+
+# Logits/log-prob work is done in token chunks of about this many local-vocab elements; on the
+# CPU also of at most 8 MB, well under glibc's mmap threshold as keep_freed_memory sets it, so
+# each chunk's temporaries reuse heap blocks (and cache) instead of faulting in fresh pages
+# (SmolLM2's vocab, 1104 tokens, 2 threads: forward 273 -> 87 ms, backward 244 -> 115 ms, the
+# same bits). GPUs keep the larger chunks (fewer kernel launches).
 _CHUNK_ELEMENTS = 1 << 24
+_CPU_CHUNK_BYTES = MMAP_THRESHOLD // 4
 
 
 def logps_and_entropy(logits, labels: torch.Tensor, temperature: float = 1.0,
@@ -71,7 +78,7 @@ class _VocabParallelLogps(torch.autograd.Function):
     def forward(ctx, local, labels, vocab_start, group, temperature, need_entropy):
         n_tok, v_local = local.shape
         dtype = torch.promote_types(local.dtype, torch.float32)
-        rows = max(1, _CHUNK_ELEMENTS // max(v_local, 1))
+        rows = _chunk_rows(v_local, dtype, local.device)
         scale = None if temperature == 1.0 else 1.0 / temperature
         in_shard = (labels >= vocab_start) & (labels < vocab_start + v_local)
         local_idx = torch.where(in_shard, labels - vocab_start, 0)
@@ -136,6 +143,13 @@ class _VocabParallelLogps(torch.autograd.Function):
                 g.mul_(scale)
             grad[sl] = g
         return grad, None, None, None, None, None
+
+
+def _chunk_rows(v_local: int, dtype: torch.dtype, device: torch.device) -> int:
+    chunk = _CHUNK_ELEMENTS
+    if device.type == "cpu":
+        chunk = min(chunk, _CPU_CHUNK_BYTES // dtype.itemsize)
+    return max(1, chunk // max(v_local, 1))
 
 
 def _all_reduce(tensor: torch.Tensor, op, group):

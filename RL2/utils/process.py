@@ -70,6 +70,8 @@ def die_with_torchrun_agent() -> None:
 
 
 _KEEP_FREED = False
+# glibc's mmap threshold as keep_freed_memory sets it: malloc blocks below it are reused
+MMAP_THRESHOLD = 32 << 20
 
 
 def keep_freed_memory() -> bool:
@@ -95,5 +97,5 @@ def keep_freed_memory() -> bool:
     m_trim_threshold, m_mmap_threshold = -1, -3  # malloc.h
     # 32 MB, the ceiling of glibc's own dynamic threshold on 64-bit. Bigger blocks (a large
     # vocabulary's logits) still fault anew: here a 64 MB block did so with a 1 GB threshold too.
-    _KEEP_FREED = bool(mallopt(m_mmap_threshold, 32 << 20)) and bool(mallopt(m_trim_threshold, 2 ** 31 - 1))
+    _KEEP_FREED = bool(mallopt(m_mmap_threshold, MMAP_THRESHOLD)) and bool(mallopt(m_trim_threshold, 2 ** 31 - 1))
     return _KEEP_FREED

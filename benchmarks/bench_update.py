@@ -61,11 +61,11 @@ def steps(actor, cfg, logits_ab: bool = False):
            "ppo": lambda b: actor_update(actor, b, cfg.actor, cfg.kl, seed=0)}
     if logits_ab:
         def everywhere(b):
-            actor.logits_for_actions_only = False
+            before, actor.logits_for_actions_only = actor.logits_for_actions_only, False
             try:
                 return fns["ppo"](b)
             finally:
-                actor.logits_for_actions_only = True
+                actor.logits_for_actions_only = before
         fns["ppo, logits everywhere"] = everywhere
     return fns
 

@@ -36,7 +36,10 @@ def build_assets(root: str, model: dict | str, n_sft: int = 8, n_pairs: int = 64
         from transformers import AutoTokenizer
 
         tok = AutoTokenizer.from_pretrained(model)
-        os.symlink(os.path.abspath(model), os.path.join(root, "model"))
+        link = os.path.join(root, "model")
+        if os.path.lexists(link):  # a root used before
+            os.remove(link)
+        os.symlink(os.path.abspath(model), link)
     else:
         kw = dict(model)
         tok = build_tokenizer(vocab_size=kw.pop("vocab"))

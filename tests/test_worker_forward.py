@@ -59,3 +59,27 @@ def _actions_only_vs_full(rank, world, model_dir, data_dir, sp):
 @pytest.mark.parametrize("world,sp", [(1, 1), (2, 2)])
 def test_logits_only_where_log_probs_are_read(assets, world, sp):
     assert run_dist(_actions_only_vs_full, world, assets["model"], assets["data"], sp) == [True] * world
+
+
+def test_only_transformers_own_forward_is_given_positions():
+    """Remote code with a `logits_to_keep` argument may read it as a count: not used there."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from RL2.workers.worker import takes_positions_to_keep
+
+    model = Qwen2ForCausalLM(Qwen2Config(hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                         num_key_value_heads=1, intermediate_size=32, vocab_size=64))
+    assert takes_positions_to_keep(model)
+
+    class Remote(Qwen2ForCausalLM):  # what trust_remote_code loads: its own module and forward
+        def forward(self, input_ids=None, logits_to_keep=0, **kw):
+            return super().forward(input_ids=input_ids, logits_to_keep=logits_to_keep, **kw)
+
+    Remote.__module__ = "transformers_modules.some_org.modeling_remote"
+    assert not takes_positions_to_keep(Remote(model.config))
+
+    class Inherits(Qwen2ForCausalLM):  # a subclass keeping transformers' forward
+        pass
+
+    Inherits.__module__ = "elsewhere"
+    assert takes_positions_to_keep(Inherits(model.config))

@@ -42,6 +42,15 @@ def make_scheduler(optimizer, cfg: DictConfig, total_steps: int):
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
+def takes_positions_to_keep(model) -> bool:
+    """Whether `model`'s forward is transformers' own and takes `logits_to_keep`, which since
+    transformers 4.56 (our floor) reads a 1-D tensor as the positions to compute logits for.
+    Remote code may read the argument as a count of last positions: not used there."""
+    cls = next((c for c in type(model).__mro__ if "forward" in c.__dict__), None)
+    return (cls is not None and cls.__module__.startswith("transformers.")
+            and "logits_to_keep" in inspect.signature(cls.forward).parameters)
+
+
 class Worker:
     def __init__(self, cfg: DictConfig, device: str, *, value_head: bool = False,
                  train: bool = True, total_steps: int = 1, seed: int = 0):
@@ -90,9 +99,7 @@ class Worker:
                         "embeddings through RL2's kernel", *cpu_ops.use_for_model(self.model),
                         cpu_ops.use_attention(self.model), cpu_ops.use_rope(self.model))
         self.config = self.model.config
-        # HF causal LMs (transformers >= 4.50) take positions to compute logits for
-        self.logits_for_actions_only = not value_head and "logits_to_keep" in inspect.signature(
-            self.model.forward).parameters
+        self.logits_for_actions_only = not value_head and takes_positions_to_keep(self.model)
         check_sp_rope(rope_types(self.model), self.dims.sp)
         # ring attention's K/V blocks through shared memory, as FSDP's collectives (cpu_comm)
         self.ring_host = None
@@ -151,7 +158,7 @@ class Worker:
         result = {"logps": logps, "entropy": entropy} if need_entropy else {"logps": logps}
         if keep is not None:  # 0 where no loss or metric reads a value (every use is masked);
             # x 1 on action tokens, x 0 on a padding micro-batch's stand-in row
-            kept = mb.data["action_mask"][keep]
+            kept = mb.data["action_mask"][keep] != 0
             result = {k: v.new_zeros(len(labels)).index_copy(0, keep, v * kept)
                       for k, v in result.items()}
         return result

@@ -141,7 +141,7 @@ class Worker:
         `labels` for a causal LM (0 outside `action_mask` when the model takes
         `logits_to_keep`), `values` for a value model."""
         ctx = PackedContext(mb.cu_seqlens, mb.max_seqlen, self.dims.sp_group, self.ring_host)
-        keep = None if self.value_head else self._action_positions(mb)
+        keep = self._action_positions(mb)  # None for a value model (logits_for_actions_only off)
         out = self.model(input_ids=mb.data["input_ids"][None], position_ids=mb.data["position_ids"][None],
                          use_cache=False, **packed_kwargs(ctx),
                          **({} if keep is None else {"logits_to_keep": keep}))

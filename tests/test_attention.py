@@ -100,6 +100,53 @@ def test_per_sequence_attention_with_empty_sequences_equals_sliced_sdpa():
         torch.testing.assert_close(g, r, rtol=1e-12, atol=1e-12)
 
 
+def shared_prefix_batch(seed=2):
+    """A row [a | prompt+c | r | b]: r continues the first 7 tokens (the prompt) of the
+    sequence before it. Returns the row, its position_ids and bounds, prefix_lens, and each
+    sequence as HF sees it alone with the row positions whose logits it owns."""
+    g = torch.Generator().manual_seed(seed)
+    a, prompt, c, r, b = (torch.randint(0, VOCAB, (n,), generator=g) for n in (4, 7, 6, 5, 3))
+    row = torch.cat([a, prompt, c, r, b])
+    pos = torch.cat([torch.arange(4), torch.arange(13), torch.arange(7, 12), torch.arange(3)])
+    bounds, prefix_lens = [0, 4, 17, 22, 25], [0, 0, 7, 0]
+    alone = [(a, list(range(0, 4))), (torch.cat([prompt, c]), list(range(4, 17))),
+             (torch.cat([prompt, r]), [None] * 7 + list(range(17, 22))), (b, list(range(22, 25)))]
+    return row, pos, bounds, prefix_lens, alone
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_a_sequence_continuing_a_shared_prefix_equals_it_forwarded_whole(arch):
+    """A DPO pair's rejected side packed after its chosen side without their common prompt
+    (`pairs.shared_tail`): its logits and every gradient equal HF's on the whole sequence."""
+    packed, ref = build(arch, register()), None
+    ref = build(arch, "eager", packed.state_dict())
+    row, pos, bounds, prefix_lens, alone = shared_prefix_batch()
+    ctx = PackedContext(torch.tensor(bounds, dtype=torch.int32), 13, prefix_lens=prefix_lens)
+    logits = packed(input_ids=row[None], position_ids=pos[None], **packed_kwargs(ctx)).logits[0]
+    weights = torch.randn(logits.shape, generator=torch.Generator().manual_seed(3))
+    (logits * weights).sum().backward()
+    for seq, where in alone:
+        out = ref(input_ids=seq[None]).logits[0]
+        mine = [i for i, w in enumerate(where) if w is not None]
+        rows = [where[i] for i in mine]
+        torch.testing.assert_close(out[mine], logits[rows].detach(), atol=1e-5, rtol=0)
+        (out[mine] * weights[rows]).sum().backward()
+    ref_grads = grads(ref)
+    for name, g in grads(packed).items():
+        torch.testing.assert_close(g, ref_grads[name], atol=1e-5, rtol=1e-5, msg=name)
+
+
+def test_prefix_lengths_are_checked():
+    row, pos, bounds, _, _ = shared_prefix_batch()
+    model = build("qwen2", register())
+    for prefix_lens, match in (([3, 0, 0, 0], "sequence 0"), ([0, 5, 0, 0], "sequence 1"),
+                               ([0, 0, 7], "3 prefix lengths")):
+        ctx = PackedContext(torch.tensor(bounds, dtype=torch.int32), 13, prefix_lens=prefix_lens)
+        with pytest.raises(ValueError, match=match):
+            model(input_ids=row[None], position_ids=pos[None], **packed_kwargs(ctx))
+    assert PackedContext(torch.tensor(bounds), 13, prefix_lens=[0, 0, 0, 0]).prefix_lens is None
+
+
 def test_no_token_by_token_mask_is_built():
     # the model's own mask step: HF would build a (1, 1, T, T) block mask for packed position_ids
     seqs, pos, ctx, _ = packed_batch()
@@ -239,22 +286,26 @@ def fake_flash_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
     batch+1 entries on q's device, last dims contiguous, (total, heads, head_dim) with head_dim a
     multiple of 8 up to 256, query heads a multiple of K/V heads); its kernel's grid covers
     max_seqlen rows per sequence only, so a smaller one is refused too. Computes each sequence's
-    causal attention with SDPA in fp32."""
+    causal attention with SDPA in fp32; with fewer queries than keys the causal mask is aligned
+    to the bottom right (the function's docstring: seqlen_q = 2, seqlen_k = 5 keeps 1 1 1 1 0 /
+    1 1 1 1 1)."""
     assert q.dtype in (torch.float16, torch.bfloat16) and k.dtype == v.dtype == q.dtype
     assert all(t.dim() == 3 and t.stride(-1) == 1 and t.device == q.device for t in (q, k, v))
     for cu in (cu_seqlens_q, cu_seqlens_k):
         assert cu.dtype == torch.int32 and cu.is_contiguous() and cu.dim() == 1 and cu.device == q.device
-    (total, heads, d), heads_k = q.shape, k.shape[1]
-    assert d % 8 == 0 and d <= 256 and heads % heads_k == 0 and k.shape == v.shape == (total, heads_k, d)
-    assert torch.equal(cu_seqlens_q, cu_seqlens_k) and int(cu_seqlens_q[-1]) == total
-    lengths = cu_seqlens_q.diff()
-    assert max_seqlen_q >= int(lengths.max()) and max_seqlen_k >= int(lengths.max())
+    (total, heads, d), (total_k, heads_k, _) = q.shape, k.shape
+    assert d % 8 == 0 and d <= 256 and heads % heads_k == 0 and k.shape == v.shape == (total_k, heads_k, d)
+    assert cu_seqlens_q.shape == cu_seqlens_k.shape
+    assert int(cu_seqlens_q[-1]) == total and int(cu_seqlens_k[-1]) == total_k
+    assert max_seqlen_q >= int(cu_seqlens_q.diff().max()) and max_seqlen_k >= int(cu_seqlens_k.diff().max())
     assert causal and dropout_p == 0.0
     out = torch.empty_like(q)
-    for s, e in zip(cu_seqlens_q[:-1].tolist(), cu_seqlens_q[1:].tolist()):
-        qs, ks, vs = (t[s:e].transpose(0, 1).float() for t in (q, k, v))
+    for s, e, sk, ek in zip(cu_seqlens_q[:-1].tolist(), cu_seqlens_q[1:].tolist(),
+                            cu_seqlens_k[:-1].tolist(), cu_seqlens_k[1:].tolist()):
+        qs, (ks, vs) = q[s:e].transpose(0, 1).float(), (t[sk:ek].transpose(0, 1).float() for t in (k, v))
+        mask = torch.ones(e - s, ek - sk, dtype=torch.bool).tril(ek - sk - (e - s))
         out[s:e] = torch.nn.functional.scaled_dot_product_attention(
-            qs, ks, vs, is_causal=True, scale=softmax_scale, enable_gqa=True).transpose(0, 1).to(q.dtype)
+            qs, ks, vs, attn_mask=mask, scale=softmax_scale, enable_gqa=True).transpose(0, 1).to(q.dtype)
     return out
 
 
@@ -277,3 +328,22 @@ def test_flash_branch_hands_flash_attn_what_its_kernel_takes(monkeypatch):
     with pytest.raises(AssertionError):  # the fake refuses what the kernel refuses
         q = torch.zeros(21, 4, 8, dtype=torch.bfloat16)
         fake_flash_varlen(q, q[:, :2], q[:, :2], ctx.cu_seqlens.long(), ctx.cu_seqlens.long(), 9, 9, causal=True)
+
+
+def test_flash_branch_with_a_shared_prefix(monkeypatch):
+    """The CUDA branch with a sequence continuing its predecessor's prefix: flash-attn over
+    gathered keys (cu_seqlens_k != cu_seqlens_q) equals the CPU path, through the fake."""
+    row, pos, bounds, prefix_lens, _ = shared_prefix_batch()
+    model = build("qwen2", register()).to(torch.bfloat16)
+
+    def ctx():
+        return PackedContext(torch.tensor(bounds), 13, prefix_lens=prefix_lens)
+
+    with torch.no_grad():
+        reference = model(input_ids=row[None], position_ids=pos[None], **packed_kwargs(ctx())).logits
+        calls = []
+        monkeypatch.setattr(attention, "flash_supported", lambda q: True)
+        monkeypatch.setattr(attention, "_flash_varlen", lambda: lambda *a, **kw: calls.append(a[4]) or fake_flash_varlen(*a, **kw))
+        flashed = model(input_ids=row[None], position_ids=pos[None], **packed_kwargs(ctx())).logits
+    assert len(calls) == 2 and calls[0].tolist() == [0, 4, 17, 29, 32]  # r's keys: 7 + 5
+    torch.testing.assert_close(flashed, reference, rtol=0, atol=0.05)

@@ -15,6 +15,14 @@ def serial(assets, tmp_path_factory):
     return serial_runs("dpo", dpo_args, assets, tmp_path_factory)
 
 
+@pytest.fixture(scope="module")
+def serial_unshared(assets, tmp_path_factory):
+    """The reference with actor.share_prompt=false: sp layouts cannot share a prompt (auto
+    leaves it off there), and they are compared with the same setting."""
+    return serial_runs("dpo", lambda a, *e: dpo_args(a, "actor.share_prompt=false", *e), assets,
+                       tmp_path_factory)
+
+
 def test_first_step_is_log2_and_matches_hf(assets, serial):
     rows = read_metrics(serial("float32"))
     first = next(r for r in rows if "train/dpo_loss" in r)
@@ -102,12 +110,12 @@ def _assert_matches_serial(run_dir, serial_dir, rtol):
 
 
 @pytest.mark.parametrize("name,dtype,rtol", CASES)
-def test_parallel_equals_serial(assets, serial, tmp_path, name, dtype, rtol):
+def test_parallel_equals_serial(assets, serial, serial_unshared, tmp_path, name, dtype, rtol):
     nproc, extra = layout(name, BUDGETS[name])
     proc = run_trainer("dpo", nproc, dpo_args(assets, f"actor.dtype={dtype}", *extra), tmp_path)
     # the CPU default (auto): gathered weights kept until backward, the reference's for the run
     assert "reshard_after_forward=False" in proc.stdout + proc.stderr
-    _assert_matches_serial(tmp_path, serial(dtype), rtol)
+    _assert_matches_serial(tmp_path, (serial_unshared if "sp" in name else serial)(dtype), rtol)
 
 
 def test_bad_rows_are_counted_and_a_pair_over_budget_stops_before_training(assets, tmp_path):
@@ -150,3 +158,13 @@ def test_bad_reshard_after_forward_is_refused_by_name(assets, tmp_path):
     proc = run_trainer("dpo", 1, dpo_args(assets, "actor.reshard_after_forward=sometimes"), tmp_path,
                        check=False)
     assert proc.returncode != 0 and "reshard_after_forward='sometimes'" in proc.stderr + proc.stdout
+
+
+def test_shared_prompt_equals_unshared(serial, serial_unshared):
+    """actor.share_prompt (auto: on in the CPU serial run) computes each pair's prompt once; off,
+    every metric agrees. Not to 1e-9: HF's RMSNorm computes in float32 even in a float64 model
+    (`hidden_states.to(torch.float32)`), and the prompt's gradient is summed before it (shared)
+    rather than after it (two copies), which moves gradients by ~1e-8 (the forward agrees to
+    1e-16); a wrong mask or position would move them by > 1e-3."""
+    _assert_matches_serial(serial_unshared("float64"), serial("float64"), 1e-7)
+    _assert_matches_serial(serial_unshared("float32"), serial("float32"), 1e-5)

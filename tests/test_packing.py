@@ -125,6 +125,37 @@ def test_pack_sp1_positions_and_roundtrip():
     assert mb.to("cpu").cu_seqlens.tolist() == mb.cu_seqlens.tolist()
 
 
+def test_pack_a_sample_that_continues_the_one_before_it():
+    """Samples with position_ids (pairs.shared_tail): one starting at p > 0 continues the first
+    p tokens of the sample packed before it: prefix_lens says so, padding keeps counting."""
+    from RL2.data.pairs import shared_tail
+
+    chosen = {"input_ids": torch.tensor([1, 2, 3, 4, 5]), "labels": torch.tensor([2, 3, 4, 5, 6]),
+              "action_mask": torch.tensor([0, 0, 1, 1, 1])}
+    rejected = {"input_ids": torch.tensor([1, 2, 3, 7]), "labels": torch.tensor([2, 3, 7, 8]),
+                "action_mask": torch.tensor([0, 0, 1, 1])}
+    tail = shared_tail(chosen, rejected)
+    # positions 0-1 agree in every tensor and are not actions; position 2's label differs
+    assert tail["input_ids"].tolist() == [3, 7] and tail["position_ids"].tolist() == [2, 3]
+    first = dict(chosen, position_ids=torch.arange(5))
+    mb = pack([first, tail], [0, 1])
+    assert mb.prefix_lens == [0, 2] and mb.lengths == [5, 2] and mb.cu_seqlens.tolist() == [0, 5, 7]
+    assert mb.data["position_ids"].tolist() == [0, 1, 2, 3, 4, 2, 3]
+    assert mb.to("cpu").prefix_lens == [0, 2]
+    assert pack([first, first], [0, 1]).prefix_lens == []  # none continues: plain packing
+    with pytest.raises(ValueError, match="none is"):
+        pack([first, tail], [1, 0])
+    with pytest.raises(ValueError, match="sp_size=2"):
+        pack([first, tail], [0, 1], sp_size=2)
+    with pytest.raises(ValueError, match="count up by 1"):
+        pack([first, dict(tail, position_ids=torch.tensor([2, 5]))], [0, 1])
+    # an action token is never shared, even where both sides agree; at least one token stays
+    same = shared_tail(chosen, dict(chosen))
+    assert same["input_ids"].tolist() == [3, 4, 5] and same["position_ids"].tolist() == [2, 3, 4]
+    prompt_only = {k: v[:2] for k, v in chosen.items()}
+    assert shared_tail(chosen, prompt_only)["position_ids"].tolist() == [1]
+
+
 @pytest.mark.parametrize("sp", [2, 4])
 def test_pack_zigzag_layout(sp):
     lengths = [5, 8, 13, 1]

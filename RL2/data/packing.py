@@ -22,11 +22,14 @@ class MicroBatch:
     # index of each sequence in the global list; empty for a dummy (zero-weight filler)
     indices: list[int] = field(default_factory=list)
     lengths: list[int] = field(default_factory=list)  # original (unpadded) length of each sequence
+    # per sequence: how many leading tokens of the sequence before it it continues (it attends
+    # to them and its position_ids start there; `pairs.shared_tail`); empty: none does
+    prefix_lens: list[int] = field(default_factory=list)
 
     def to(self, device) -> "MicroBatch":
         return MicroBatch(
             {k: v.to(device) for k, v in self.data.items()}, self.cu_seqlens.to(device),
-            self.max_seqlen, list(self.indices), list(self.lengths),
+            self.max_seqlen, list(self.indices), list(self.lengths), list(self.prefix_lens),
         )
 
 
@@ -187,6 +190,8 @@ def pack(samples: list[dict], indices: list[int], sp_size: int = 1, sp_rank: int
 
     Padding: 0 for every tensor; position_ids keep counting into the padding. An empty `indices`
     gives a dummy micro-batch: one padded sequence whose tensors (float keys included) are 0.
+    Samples may carry position_ids (consecutive); one that starts at p > 0 continues the first p
+    tokens of the sample packed before it (`MicroBatch.prefix_lens`; not with sp).
     """
     if not 0 <= sp_rank < sp_size:
         raise ValueError(f"sp_rank {sp_rank} not in [0, sp_size={sp_size})")
@@ -210,12 +215,15 @@ def pack(samples: list[dict], indices: list[int], sp_size: int = 1, sp_rank: int
         keys = list(template)
         seqs = [{k: torch.zeros(1, dtype=template[k].dtype) for k in keys}]
         lengths = [1]
+    keys = [k for k in keys if k != "position_ids"]
     parts = {k: [] for k in keys + ["position_ids"]}
-    local_lens = []
-    for s, n in zip(seqs, lengths):
+    local_lens, prefix_lens = [], []
+    for j, (s, n) in enumerate(zip(seqs, lengths)):
         n_pad = padded_length(n, sp_size)
         padded = {k: torch.nn.functional.pad(s[k], (0, n_pad - n)) for k in keys}
-        padded["position_ids"] = torch.arange(n_pad, dtype=torch.long)
+        start = _prefix_len(s, j, lengths, sp_size, indices)
+        prefix_lens.append(start)
+        padded["position_ids"] = torch.arange(start, start + n_pad, dtype=torch.long)
         for k, v in padded.items():
             parts[k].append(_zigzag(v, sp_size, sp_rank) if sp_size > 1 else v)
         local_lens.append(n_pad // sp_size)
@@ -224,7 +232,25 @@ def pack(samples: list[dict], indices: list[int], sp_size: int = 1, sp_rank: int
     data = {k: torch.cat(v) for k, v in parts.items()}
     real = bool(indices)
     return MicroBatch(data, cu, max(local_lens), list(indices) if real else [],
-                      lengths if real else [])
+                      lengths if real else [], prefix_lens if any(prefix_lens) else [])
+
+
+def _prefix_len(sample: dict, j: int, lengths: list[int], sp_size: int, indices: list[int]) -> int:
+    """Where a sample's own position_ids start (0 without them): the leading tokens of the
+    sequence packed before it that it continues."""
+    pos = sample.get("position_ids")
+    if pos is None:
+        return 0
+    start = int(pos[0]) if len(pos) else 0
+    if not torch.equal(pos, torch.arange(start, start + len(pos), dtype=pos.dtype)):
+        raise ValueError(f"sample {indices[j]}: position_ids must count up by 1")
+    if start and sp_size > 1:
+        raise ValueError(f"sample {indices[j]} continues the sample before it (position_ids "
+                         f"from {start}), which sp_size={sp_size} cannot split")
+    if start and (j == 0 or lengths[j - 1] < start):
+        raise ValueError(f"sample {indices[j]} continues the first {start} tokens of the sample "
+                         f"before it, but {'none is' if j == 0 else 'that one has fewer'}")
+    return start
 
 
 def unpack(mb: MicroBatch, local: Tensor, sp_group=None) -> list[Tensor]:

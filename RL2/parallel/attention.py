@@ -7,7 +7,9 @@ into the attention function, so the per-batch `PackedContext` travels with the c
 state is needed. The registered mask function returns None for the plain causal case, so HF never
 builds a T x T mask; the attention function then runs causal attention inside every packed
 sequence (CPU: SDPA per sequence, or RL2's C kernel for modules `cpu_ops.use_attention` marked;
-CUDA fp16/bf16: flash-attn varlen if installed; with an sp group: zig-zag ring attention). Without a context (generate, padded batches) it behaves like HF "sdpa".
+CUDA fp16/bf16: flash-attn varlen if installed; with an sp group: zig-zag ring attention). A
+sequence may also continue the prefix of the one before it (shared DPO prompts: SDPA or flash-attn
+over gathered keys). Without a context (generate, padded batches) it behaves like HF "sdpa".
 """
 from __future__ import annotations
 
@@ -34,19 +36,24 @@ class PackedContext:
     sp_group: process group of the sequence-parallel ranks, or None.
     ring_host: a `host_comm.HostGroup` of sp_group when ring attention may pass K/V blocks
     through shared memory (CPU, one host), or None (P2P over the group's backend).
+    prefix_lens: per sequence, how many leading tokens of the sequence before it it also
+    attends to (a DPO pair's rejected side sees its chosen side's prompt: `pairs.shared_tail`);
+    None or all 0: plain causal attention inside each sequence. Not with sp.
 
     A plain class on purpose: FSDP2's input cast (`torch.distributed.utils._apply_to_tensors`)
     rebuilds every dataclass it finds in the forward kwargs at every FSDP unit, which would drop
     the cached `bounds` and cost one device-to-host sync per layer.
     """
 
-    __slots__ = ("cu_seqlens", "max_seqlen", "sp_group", "ring_host", "_bounds")
+    __slots__ = ("cu_seqlens", "max_seqlen", "sp_group", "ring_host", "prefix_lens", "_bounds",
+                 "_keys")
 
     def __init__(self, cu_seqlens: torch.Tensor, max_seqlen: int, sp_group: Any = None,
-                 ring_host: Any = None):
+                 ring_host: Any = None, prefix_lens: list[int] | None = None):
         self.cu_seqlens, self.max_seqlen, self.sp_group = cu_seqlens, max_seqlen, sp_group
         self.ring_host = ring_host
-        self._bounds = None
+        self.prefix_lens = list(prefix_lens) if prefix_lens and any(prefix_lens) else None
+        self._bounds = self._keys = None
 
     @property
     def bounds(self) -> list[int]:
@@ -54,6 +61,25 @@ class PackedContext:
         if self._bounds is None:
             self._bounds = [int(b) for b in self.cu_seqlens.tolist()]
         return self._bounds
+
+    def keys(self, device) -> tuple[torch.Tensor, list[int]]:
+        """(index, key bounds) with `prefix_lens`: the row positions each sequence attends to,
+        sequence after sequence (its predecessor's first p tokens, then its own), and where
+        each sequence's keys start and end in that index. Built once per micro-batch."""
+        if self._keys is None:
+            b, idx, cu_k = self.bounds, [], [0]
+            if len(self.prefix_lens) != len(b) - 1:
+                raise ValueError(f"{len(self.prefix_lens)} prefix lengths for {len(b) - 1} sequences")
+            for j, p in enumerate(self.prefix_lens):
+                if p and (j == 0 or p > b[j] - b[j - 1]):
+                    raise ValueError(f"sequence {j} continues {p} tokens of a sequence before it "
+                                     "that has fewer")
+                if p:
+                    idx.append(torch.arange(b[j - 1], b[j - 1] + p))
+                idx.append(torch.arange(b[j], b[j + 1]))
+                cu_k.append(cu_k[-1] + p + b[j + 1] - b[j])
+            self._keys = (torch.cat(idx).to(device), cu_k)
+        return self._keys
 
 
 def packed_kwargs(ctx: PackedContext) -> dict:
@@ -136,10 +162,14 @@ def packed_attention_forward(
     if attention_mask is not None:
         raise ValueError("pass no attention_mask with a PackedContext: cu_seqlens define the sequences")
     sp = 1 if ctx.sp_group is None else torch.distributed.get_world_size(ctx.sp_group)
+    if ctx.prefix_lens and sp > 1:
+        raise NotImplementedError("sequences that continue another's prefix (shared prompts) "
+                                  "cannot be split by ring attention: use sp_size=1")
     window = kwargs.get("sliding_window")
-    if window is not None and ctx.max_seqlen * sp > window:
+    longest = ctx.max_seqlen * sp + max(ctx.prefix_lens or [0])
+    if window is not None and longest > window:
         raise NotImplementedError(
-            f"sliding window {window} is shorter than a packed sequence ({ctx.max_seqlen * sp} tokens)")
+            f"sliding window {window} is shorter than a packed sequence ({longest} tokens)")
     if ctx.bounds[0] != 0 or ctx.bounds[-1] != query.shape[2]:
         raise ValueError(f"cu_seqlens span [{ctx.bounds[0]}, {ctx.bounds[-1]}) but the row has "
                          f"{query.shape[2]} tokens from 0")
@@ -154,10 +184,21 @@ def packed_attention_forward(
     flash = _flash_varlen() if flash_supported(query) else None
     if flash is not None:
         q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))
-        cu = ctx.cu_seqlens.to(device=q.device, dtype=torch.int32)
-        out = flash(q, k, v, cu, cu, ctx.max_seqlen, ctx.max_seqlen, dropout_p=dropout,
+        cu = cu_k = ctx.cu_seqlens.to(device=q.device, dtype=torch.int32)
+        max_k = ctx.max_seqlen
+        if ctx.prefix_lens:  # gathered keys; flash-attn aligns a causal mask with fewer queries
+            # than keys to the bottom right (flash_attn_varlen_func's docstring, 2.8.3)
+            index, bounds_k = ctx.keys(q.device)
+            k, v = k.index_select(0, index), v.index_select(0, index)
+            cu_k = torch.tensor(bounds_k, dtype=torch.int32, device=q.device)
+            max_k = max(e - s for s, e in zip(bounds_k[:-1], bounds_k[1:]))
+        out = flash(q, k, v, cu, cu_k, ctx.max_seqlen, max_k, dropout_p=dropout,
                     softmax_scale=scaling, causal=True)
         return out[None], None
+    if ctx.prefix_lens:
+        index, bounds_k = ctx.keys(query.device)
+        return _causal_with_prefixes(query, key.index_select(2, index), value.index_select(2, index),
+                                     ctx.bounds, bounds_k, scaling, dropout), None
     if getattr(module, "rl2_fused_attention", False) and not dropout:
         from RL2.utils import cpu_ops  # actor.cpu_fused_ops marked the module (fp32 CPU, C kernel)
 
@@ -250,6 +291,23 @@ def _causal_per_sequence(query, key, value, bounds, scaling, dropout) -> torch.T
                                        enable_gqa=gqa)
         for q, k, v in pieces if q.shape[2]
     ]
+    return torch.cat(outs, dim=2).transpose(1, 2)
+
+
+def _causal_with_prefixes(query, key, value, bounds, bounds_k, scaling, dropout) -> torch.Tensor:
+    """SDPA per sequence over gathered keys (`PackedContext.keys`): a sequence with more keys
+    than queries sees all of its prefix and its own tokens causally (a bottom-right mask)."""
+    gqa = query.shape[1] != key.shape[1]
+    sizes = [e - s for s, e in zip(bounds[:-1], bounds[1:])]
+    sizes_k = [e - s for s, e in zip(bounds_k[:-1], bounds_k[1:])]
+    outs = []
+    for q, k, v in zip(query.split(sizes, dim=2), key.split(sizes_k, dim=2), value.split(sizes_k, dim=2)):
+        n, m = q.shape[2], k.shape[2]
+        if not n:
+            continue
+        mask = None if n == m else torch.ones(n, m, dtype=torch.bool, device=q.device).tril(m - n)
+        outs.append(F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                                   scale=scaling, dropout_p=dropout, enable_gqa=gqa))
     return torch.cat(outs, dim=2).transpose(1, 2)
 
 

@@ -140,7 +140,8 @@ class Worker:
         """Per-token outputs of one micro-batch (local to this sp rank): `logps` (+`entropy`) of
         `labels` for a causal LM (0 outside `action_mask` when the model takes
         `logits_to_keep`), `values` for a value model."""
-        ctx = PackedContext(mb.cu_seqlens, mb.max_seqlen, self.dims.sp_group, self.ring_host)
+        ctx = PackedContext(mb.cu_seqlens, mb.max_seqlen, self.dims.sp_group, self.ring_host,
+                            mb.prefix_lens)
         keep = self._action_positions(mb)  # None for a value model (logits_for_actions_only off)
         out = self.model(input_ids=mb.data["input_ids"][None], position_ids=mb.data["position_ids"][None],
                          use_cache=False, **packed_kwargs(ctx),
@@ -178,13 +179,14 @@ class Worker:
         return keep if len(keep) else keep.new_zeros(1)  # a padding micro-batch: one row
 
     @torch.no_grad()
-    def infer(self, samples: list[dict], key: str, **kw) -> list[torch.Tensor]:
+    def infer(self, samples: list[dict], key: str, groups: list[list[int]] | None = None,
+              **kw) -> list[torch.Tensor]:
         """Run `forward` over every sample and return output `key` per sample, in order, on every
-        rank (micro-batches are spread over dp ranks, then gathered)."""
+        rank (micro-batches are spread over dp ranks, then gathered; `groups` as for `plan`)."""
         was_training = self.model.training
         self.model.eval()
         local = {}
-        for mb in self.plan(samples):
+        for mb in self.plan(samples, groups):
             out = self.forward(mb, **kw)[key]
             for i, t in zip(mb.indices, unpack(mb, out, self.dims.sp_group)):
                 local[i] = upcast(t.detach()).cpu()

@@ -4,7 +4,8 @@
 
 Cases (each a real torchrun launch of an RL2 trainer, 3 steps):
 - SFT, DPO, RM: the 1-GPU run, then (>= 2 GPUs) FSDP, TP and SP layouts whose losses must equal
-  the 1-GPU losses (float32: rtol 1e-3; bfloat16 with flash-attn: rtol 3e-2);
+  the 1-GPU losses (float32: rtol 1e-3; bfloat16 with flash-attn: rtol 3e-2); DPO also with
+  `actor.share_prompt=true` on 1 GPU (flash-attn over gathered keys), against the same losses;
 - PPO with the torch engine and (when installed) the SGLang engine: the engine's log-probs must
   equal the trainer's after a weight sync (|rollout/engine_kl| small: actor.update_per_rollout=2
   makes the trainer recompute them), and the run must finish its steps.
@@ -135,7 +136,8 @@ def main():
             record(f"{trainer} 1gpu {dtype}", ref, error, peak,
                    lambda rows: ("PASS", f"{STEPS} steps") if len(series(rows, LOSS[trainer])) == STEPS
                    and all(map(math.isfinite, series(rows, LOSS[trainer]))) else ("FAIL", "missing/non-finite loss"))
-            for name, nproc, extra in layouts(n):
+            shared = [("shared-prompt", 1, ["actor.share_prompt=true"])] if trainer == "dpo" else []
+            for name, nproc, extra in layouts(n) + shared:
                 rows, error, peak = launch(trainer, nproc, base + extra, args.out, args.device)
                 record(f"{trainer} {name} {dtype}", rows, error, peak,
                        lambda rows: compare(series(ref, LOSS[trainer]), series(rows, LOSS[trainer]), rtol))

@@ -284,15 +284,17 @@ def cases(budgets):
 def serial(assets, tmp_path_factory):
     runs = {}
 
-    def get(trainer, dtype):
-        if (trainer, dtype) not in runs:
+    def get(trainer, dtype, unshared=False):
+        """unshared: DPO with actor.share_prompt=false, the setting sp layouts run with."""
+        if (trainer, dtype, unshared) not in runs:
             d = tmp_path_factory.mktemp(f"lora_{trainer}_{dtype}")
             make = sft_args if trainer == "sft" else dpo_args
             proc = run_trainer(trainer, 1, make(assets, *LORA, f"actor.dtype={dtype}",
-                                                "actor.max_length_per_device=4096"), d)
-            runs[trainer, dtype] = d
+                                                "actor.max_length_per_device=4096",
+                                                *(["actor.share_prompt=false"] if unshared else [])), d)
+            runs[trainer, dtype, unshared] = d
             get.stderr[d] = proc.stderr
-        return runs[trainer, dtype]
+        return runs[trainer, dtype, unshared]
     get.stderr = {}
     return get
 
@@ -313,7 +315,8 @@ def test_dpo_parallel_equals_serial(assets, serial, tmp_path, name, dtype, rtol)
     nproc, extra = layout(name, DPO_BUDGETS[name])
     run_trainer("dpo", nproc, dpo_args(assets, *LORA, f"actor.dtype={dtype}", *extra), tmp_path)
     for key in ("train/loss", "train/dpo_loss", "train/rewards/margin", "train/grad_norm", "test/loss"):
-        assert_close(train_rows(tmp_path, key), train_rows(serial("dpo", dtype), key), rtol, key,
+        ref = serial("dpo", dtype, unshared="sp" in name)  # auto: no shared prompts with sp
+        assert_close(train_rows(tmp_path, key), train_rows(ref, key), rtol, key,
                      atol=rtol / 10 if "margin" in key else 0.0)
 
 

@@ -62,10 +62,11 @@ class PackedContext:
             self._bounds = [int(b) for b in self.cu_seqlens.tolist()]
         return self._bounds
 
-    def keys(self, device) -> tuple[torch.Tensor, list[int]]:
-        """(index, key bounds) with `prefix_lens`: the row positions each sequence attends to,
-        sequence after sequence (its predecessor's first p tokens, then its own), and where
-        each sequence's keys start and end in that index. Built once per micro-batch."""
+    def keys(self, device) -> tuple[torch.Tensor, list[int], torch.Tensor]:
+        """With `prefix_lens`: (index, key bounds, key cu_seqlens). The index lists the row
+        positions each sequence attends to, sequence after sequence (its predecessor's first
+        p tokens, then its own); key bounds say where each sequence's keys start and end in it
+        (also as an int32 tensor for flash-attn). Built once per micro-batch, not per layer."""
         if self._keys is None:
             b, idx, cu_k = self.bounds, [], [0]
             if len(self.prefix_lens) != len(b) - 1:
@@ -78,7 +79,8 @@ class PackedContext:
                     idx.append(torch.arange(b[j - 1], b[j - 1] + p))
                 idx.append(torch.arange(b[j], b[j + 1]))
                 cu_k.append(cu_k[-1] + p + b[j + 1] - b[j])
-            self._keys = (torch.cat(idx).to(device), cu_k)
+            self._keys = (torch.cat(idx).to(device), cu_k,
+                          torch.tensor(cu_k, dtype=torch.int32, device=device))
         return self._keys
 
 
@@ -188,15 +190,14 @@ def packed_attention_forward(
         max_k = ctx.max_seqlen
         if ctx.prefix_lens:  # gathered keys; flash-attn aligns a causal mask with fewer queries
             # than keys to the bottom right (flash_attn_varlen_func's docstring, 2.8.3)
-            index, bounds_k = ctx.keys(q.device)
+            index, bounds_k, cu_k = ctx.keys(q.device)
             k, v = k.index_select(0, index), v.index_select(0, index)
-            cu_k = torch.tensor(bounds_k, dtype=torch.int32, device=q.device)
             max_k = max(e - s for s, e in zip(bounds_k[:-1], bounds_k[1:]))
         out = flash(q, k, v, cu, cu_k, ctx.max_seqlen, max_k, dropout_p=dropout,
                     softmax_scale=scaling, causal=True)
         return out[None], None
     if ctx.prefix_lens:
-        index, bounds_k = ctx.keys(query.device)
+        index, bounds_k, _ = ctx.keys(query.device)
         return _causal_with_prefixes(query, key.index_select(2, index), value.index_select(2, index),
                                      ctx.bounds, bounds_k, scaling, dropout), None
     if getattr(module, "rl2_fused_attention", False) and not dropout:

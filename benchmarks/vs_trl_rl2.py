@@ -38,7 +38,7 @@ def clocks(record: dict, name: str):
 def sft_dpo_steps(args, model: str):
     """(batches, step function) for sft / dpo on an Actor (+ reference)."""
     from benchmarks.vs_trl_data import dpo_pairs, load_rows, sft_steps
-    from RL2.algorithms.dpo import dpo_update, share_prompt
+    from RL2.algorithms.dpo import dpo_update
     from RL2.algorithms.sft import sft_update
     from RL2.data.pairs import flatten_pairs
     from RL2.utils.config import load_config
@@ -59,10 +59,8 @@ def sft_dpo_steps(args, model: str):
     ref = Actor(cfg.actor.copy(), "cpu", train=False)
     pairs = dpo_pairs(load_rows(args.assets, "dpo"), AutoTokenizer.from_pretrained(model))
 
-    share = share_prompt(cfg.actor, "cpu")
-
     def step(batch, record):
-        dpo_update(actor, batch, ref.compute_sequence_logps(*flatten_pairs(batch, share)))  # live reference
+        dpo_update(actor, batch, ref.compute_sequence_logps(*flatten_pairs(batch, actor.share_prompt)))  # live reference
         # the pairs' tokens in full (+ 1: TRL counts the last token), shared prompt or not
         return sum(len(s["input_ids"]) + 1 for s in flatten_pairs(batch)[0])
     return [pairs[i:i + args.pairs] for i in range(0, len(pairs), args.pairs)], step

@@ -101,23 +101,25 @@ def test_per_sequence_attention_with_empty_sequences_equals_sliced_sdpa():
 
 
 def shared_prefix_batch(seed=2):
-    """A row [a | prompt+c | r | b]: r continues the first 7 tokens (the prompt) of the
-    sequence before it. Returns the row, its position_ids and bounds, prefix_lens, and each
-    sequence as HF sees it alone with the row positions whose logits it owns."""
+    """A row [a | prompt+c | r | r2 | b]: r and r2 continue the first 7 tokens (the prompt) of
+    their root, the last sequence before them with prefix 0. Returns the row, its position_ids
+    and bounds, prefix_lens, and each sequence as HF sees it alone with the row positions whose
+    logits it owns."""
     g = torch.Generator().manual_seed(seed)
-    a, prompt, c, r, b = (torch.randint(0, VOCAB, (n,), generator=g) for n in (4, 7, 6, 5, 3))
-    row = torch.cat([a, prompt, c, r, b])
-    pos = torch.cat([torch.arange(4), torch.arange(13), torch.arange(7, 12), torch.arange(3)])
-    bounds, prefix_lens = [0, 4, 17, 22, 25], [0, 0, 7, 0]
+    a, prompt, c, r, r2, b = (torch.randint(0, VOCAB, (n,), generator=g) for n in (4, 7, 6, 5, 2, 3))
+    row = torch.cat([a, prompt, c, r, r2, b])
+    pos = torch.cat([torch.arange(4), torch.arange(13), torch.arange(7, 12), torch.arange(7, 9), torch.arange(3)])
+    bounds, prefix_lens = [0, 4, 17, 22, 24, 27], [0, 0, 7, 7, 0]
     alone = [(a, list(range(0, 4))), (torch.cat([prompt, c]), list(range(4, 17))),
-             (torch.cat([prompt, r]), [None] * 7 + list(range(17, 22))), (b, list(range(22, 25)))]
+             (torch.cat([prompt, r]), [None] * 7 + list(range(17, 22))),
+             (torch.cat([prompt, r2]), [None] * 7 + list(range(22, 24))), (b, list(range(24, 27)))]
     return row, pos, bounds, prefix_lens, alone
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])
 def test_a_sequence_continuing_a_shared_prefix_equals_it_forwarded_whole(arch):
     """A DPO pair's rejected side packed after its chosen side without their common prompt
-    (`pairs.shared_tail`): its logits and every gradient equal HF's on the whole sequence."""
+    (`packing.shared_tail`): its logits and every gradient equal HF's on the whole sequence."""
     packed, ref = build(arch, register()), None
     ref = build(arch, "eager", packed.state_dict())
     row, pos, bounds, prefix_lens, alone = shared_prefix_batch()
@@ -139,12 +141,12 @@ def test_a_sequence_continuing_a_shared_prefix_equals_it_forwarded_whole(arch):
 def test_prefix_lengths_are_checked():
     row, pos, bounds, _, _ = shared_prefix_batch()
     model = build("qwen2", register())
-    for prefix_lens, match in (([3, 0, 0, 0], "sequence 0"), ([0, 5, 0, 0], "sequence 1"),
-                               ([0, 0, 7], "3 prefix lengths")):
+    for prefix_lens, match in (([3, 0, 0, 0, 0], "sequence 0"), ([0, 5, 0, 0, 0], "sequence 1"),
+                               ([0, 0, 7, 0, 9], "sequence 4"), ([0, 0, 7], "3 prefix lengths")):
         ctx = PackedContext(torch.tensor(bounds, dtype=torch.int32), 13, prefix_lens=prefix_lens)
         with pytest.raises(ValueError, match=match):
             model(input_ids=row[None], position_ids=pos[None], **packed_kwargs(ctx))
-    assert PackedContext(torch.tensor(bounds), 13, prefix_lens=[0, 0, 0, 0]).prefix_lens is None
+    assert PackedContext(torch.tensor(bounds), 13, prefix_lens=[0] * 5).prefix_lens is None
 
 
 def test_no_token_by_token_mask_is_built():
@@ -345,5 +347,5 @@ def test_flash_branch_with_a_shared_prefix(monkeypatch):
         monkeypatch.setattr(attention, "flash_supported", lambda q: True)
         monkeypatch.setattr(attention, "_flash_varlen", lambda: lambda *a, **kw: calls.append(a[4]) or fake_flash_varlen(*a, **kw))
         flashed = model(input_ids=row[None], position_ids=pos[None], **packed_kwargs(ctx())).logits
-    assert len(calls) == 2 and calls[0].tolist() == [0, 4, 17, 29, 32]  # r's keys: 7 + 5
+    assert len(calls) == 2 and calls[0].tolist() == [0, 4, 17, 29, 38, 41]  # r: 7 + 5 keys, r2: 7 + 2
     torch.testing.assert_close(flashed, reference, rtol=0, atol=0.05)

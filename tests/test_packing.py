@@ -125,10 +125,11 @@ def test_pack_sp1_positions_and_roundtrip():
     assert mb.to("cpu").cu_seqlens.tolist() == mb.cu_seqlens.tolist()
 
 
-def test_pack_a_sample_that_continues_the_one_before_it():
-    """Samples with position_ids (pairs.shared_tail): one starting at p > 0 continues the first
-    p tokens of the sample packed before it: prefix_lens says so, padding keeps counting."""
-    from RL2.data.pairs import shared_tail
+def test_pack_a_sample_that_continues_an_earlier_one():
+    """Samples with position_ids (packing.shared_tail): one starting at p > 0 continues the first
+    p tokens of its root, the last sample before it that starts at 0: prefix_lens says so,
+    padding keeps counting."""
+    from RL2.data.packing import shared_tail
 
     chosen = {"input_ids": torch.tensor([1, 2, 3, 4, 5]), "labels": torch.tensor([2, 3, 4, 5, 6]),
               "action_mask": torch.tensor([0, 0, 1, 1, 1])}
@@ -143,10 +144,15 @@ def test_pack_a_sample_that_continues_the_one_before_it():
     assert mb.data["position_ids"].tolist() == [0, 1, 2, 3, 4, 2, 3]
     assert mb.to("cpu").prefix_lens == [0, 2]
     assert pack([first, first], [0, 1]).prefix_lens == []  # none continues: plain packing
+    # a second tail continues the same root (the last sample before it that starts at 0)
+    two = pack([first, tail, tail], [0, 1, 2])
+    assert two.prefix_lens == [0, 2, 2] and two.data["position_ids"].tolist()[5:] == [2, 3, 2, 3]
     with pytest.raises(ValueError, match="none is"):
         pack([first, tail], [1, 0])
     with pytest.raises(ValueError, match="sp_size=2"):
         pack([first, tail], [0, 1], sp_size=2)
+    with pytest.raises(ValueError, match="that one has fewer"):
+        pack([first, dict(first, position_ids=torch.arange(6, 11))], [0, 1])
     with pytest.raises(ValueError, match="count up by 1"):
         pack([first, dict(tail, position_ids=torch.tensor([2, 5]))], [0, 1])
     # an action token is never shared, even where both sides agree; at least one token stays

@@ -3,7 +3,7 @@ over summed response log-probs of preference pairs (+ optional NLL on the chosen
 
 Config (under `actor.`): beta, label_smoothing (conservative DPO), sft_coef (weight of the NLL
 of the chosen responses, normalised by actor.avg_level over the batch), avg_level, share_prompt
-(compute a pair's common prompt once: `share_prompt`).
+(compute a pair's common prompt once: `packing.resolve_share_prompt`, `pairs.flatten_pairs`).
 """
 import torch
 
@@ -14,23 +14,6 @@ from RL2.data.pairs import flatten_pairs, pair_slots
 # SFT term (already normalised by token_weights).
 METRICS = ("loss", "accuracy", "rewards/chosen", "rewards/rejected", "rewards/margin",
            "logps/chosen", "logps/rejected", "sft_loss")
-
-
-def share_prompt(worker_cfg, device: str) -> bool:
-    """`share_prompt`: true, false or auto. On, a pair's rejected side is packed after its
-    chosen side without the prompt they share and attends to the chosen side's copy of it
-    (`pairs.shared_tail`): the same log-probs for ~prompt/(2 x pair) fewer tokens. auto = on
-    where it has run, the CPU; CUDA's path (flash-attn over gathered keys) is written but has
-    not run, so there it needs `true`. Ring attention cannot split such pairs (sp_size > 1)."""
-    choice = worker_cfg.get("share_prompt", False)
-    if choice not in (True, False, "auto"):
-        raise SystemExit(f"actor.share_prompt={choice!r}: use true, false or auto")
-    if choice == "auto":
-        return device == "cpu" and worker_cfg.sp_size == 1
-    if choice and worker_cfg.sp_size > 1:
-        raise SystemExit(f"actor.share_prompt=true needs actor.sp_size=1 (got {worker_cfg.sp_size}): "
-                         "ring attention cannot split a pair that shares its prompt")
-    return choice
 
 
 def metric_sums(loss, rew_c, rew_r, logp_c, logp_r) -> torch.Tensor:
@@ -53,7 +36,7 @@ def dpo_update(actor, pairs: list[dict], ref_logps: torch.Tensor) -> dict:
     `ref_logps`: (2 * len(pairs),) reference sequence log-probs laid out as `flatten_pairs`.
     """
     cfg = actor.cfg
-    samples, groups = flatten_pairs(pairs, share_prompt(cfg, actor.device))
+    samples, groups = flatten_pairs(pairs, actor.share_prompt)
     packed = _chosen_nll_weights(pairs, samples, cfg.avg_level) if cfg.sft_coef else samples
     ref_logps = ref_logps.to(torch.float64)
     # Every sp rank computes the same pair losses from all-reduced sequence log-probs (whose
@@ -89,7 +72,7 @@ def dpo_update(actor, pairs: list[dict], ref_logps: torch.Tensor) -> dict:
 @torch.no_grad()
 def dpo_eval(actor, pairs: list[dict], ref_logps: torch.Tensor) -> dict:
     """DPO loss (without the SFT term) and rewards over `pairs`; the same on every rank."""
-    seq = actor.compute_sequence_logps(*flatten_pairs(pairs, share_prompt(actor.cfg, actor.device)))
+    seq = actor.compute_sequence_logps(*flatten_pairs(pairs, actor.share_prompt))
     loss, rew_c, rew_r = dpo_loss(seq[0::2], seq[1::2], ref_logps[0::2], ref_logps[1::2],
                                   actor.cfg.beta, actor.cfg.label_smoothing)
     sums = metric_sums(loss, rew_c, rew_r, seq[0::2], seq[1::2])

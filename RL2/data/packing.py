@@ -22,8 +22,9 @@ class MicroBatch:
     # index of each sequence in the global list; empty for a dummy (zero-weight filler)
     indices: list[int] = field(default_factory=list)
     lengths: list[int] = field(default_factory=list)  # original (unpadded) length of each sequence
-    # per sequence: how many leading tokens of the sequence before it it continues (it attends
-    # to them and its position_ids start there; `pairs.shared_tail`); empty: none does
+    # per sequence: how many leading tokens of its root (the last sequence before it with
+    # prefix 0) it continues: it attends to them and its position_ids start there
+    # (`shared_tail`); empty: none does
     prefix_lens: list[int] = field(default_factory=list)
 
     def to(self, device) -> "MicroBatch":
@@ -54,6 +55,83 @@ def padded_length(length: int, sp_size: int = 1) -> int:
     """Length of a sequence after padding for `pack` (a multiple of 2*sp for the zig-zag split)."""
     unit = 2 * sp_size if sp_size > 1 else 1
     return -(-length // unit) * unit
+
+
+# ---------------------------------------------------------------- shared prefixes
+# A sample whose first tokens repeat another's (a DPO pair's prompt, a GRPO group's prompt) can
+# be packed as a tail that continues that "root" sample: position_ids start where the tail
+# starts, and attention lets the tail see the root's first tokens (attention.PackedContext).
+# The log-probs are the same; the shared tokens are computed once.
+
+MIN_SHARED_TOKENS = 4  # shorter common prefixes are not worth tying samples to one micro-batch
+
+
+def resolve_share_prompt(worker_cfg, device: str) -> bool:
+    """`share_prompt`: true, false or auto. auto = on where it has run, the CPU; CUDA's path
+    (flash-attn over gathered keys) is written but has not run, so there it needs `true`. Ring
+    attention cannot split a sequence that continues another (sp_size > 1)."""
+    choice = worker_cfg.get("share_prompt", False)
+    if choice not in (True, False, "auto"):
+        raise SystemExit(f"share_prompt={choice!r}: use true, false or auto")
+    if choice == "auto":
+        return device == "cpu" and worker_cfg.sp_size == 1
+    if choice and worker_cfg.sp_size > 1:
+        raise SystemExit(f"share_prompt=true needs sp_size=1 (got {worker_cfg.sp_size}): ring "
+                         "attention cannot split a sequence that continues another's prompt")
+    return choice
+
+
+def shared_length(first: dict, second: dict) -> int:
+    """How many leading positions `second` can take from `first`: equal input_ids and labels,
+    and no action token in either (action log-probs are summed per sample, so they are never
+    shared). Other per-token keys at those positions are dropped with them: every loss and
+    metric reads them through action_mask, which is 0 there. At least `second`'s last position
+    stays its own."""
+    n = min(len(first["input_ids"]), len(second["input_ids"]) - 1)
+    if n <= 0:
+        return 0
+    same = ((first["input_ids"][:n] == second["input_ids"][:n]) & (first["labels"][:n] == second["labels"][:n])
+            & (first["action_mask"][:n] == 0) & (second["action_mask"][:n] == 0))
+    differs = (~same).nonzero()
+    return int(differs[0]) if len(differs) else n
+
+
+def shared_tail(first: dict, second: dict, start: int | None = None) -> dict:
+    """`second` from `shared_length(first, second)` (or `start`) on, with `position_ids`
+    counting on from there: it continues `first`. For a DPO pair: the rejected side from the
+    last prompt token, whose label is the rejected response's first token."""
+    if set(first) - {"position_ids"} != set(second) - {"position_ids"}:
+        raise ValueError(f"the two samples have different keys: {sorted(first)} vs {sorted(second)}")
+    start = shared_length(first, second) if start is None else start
+    tail = {k: v[start:] for k, v in second.items()}
+    tail["position_ids"] = torch.arange(start, len(second["input_ids"]))
+    return tail
+
+
+def share_prefixes(samples: list[dict], capacity: int) -> tuple[list[dict], list[list[int]], list[int]]:
+    """Turn every sample that shares >= MIN_SHARED_TOKENS leading tokens with an earlier root
+    (one that keeps its own start) into a tail continuing the root that shares the most, and
+    keep each root with its tails in one group of at most `capacity` tokens. Returns (samples,
+    groups (root first), tokens dropped from each sample). Deterministic: every rank gets the
+    same result from the same samples."""
+    out = [dict(s, position_ids=torch.arange(len(s["input_ids"]))) for s in samples]
+    dropped, members, total = [0] * len(samples), {}, {}
+    roots_by_token = {}  # first input id -> roots that start with it
+    for i, s in enumerate(samples):
+        n = len(s["input_ids"])
+        best, best_len = None, MIN_SHARED_TOKENS - 1
+        for r in roots_by_token.get(int(s["input_ids"][0]), []) if n else []:
+            length = shared_length(samples[r], s)
+            if length > best_len and total[r] + n - length <= capacity:
+                best, best_len = r, length
+        if best is None:
+            members[i], total[i] = [i], n
+            roots_by_token.setdefault(int(s["input_ids"][0]) if n else -1, []).append(i)
+            continue
+        out[i], dropped[i] = shared_tail(samples[best], s, best_len), best_len
+        members[best].append(i)
+        total[best] += n - best_len
+    return out, [g for g in members.values() if len(g) > 1], dropped
 
 
 # ---------------------------------------------------------------- partition
@@ -191,7 +269,7 @@ def pack(samples: list[dict], indices: list[int], sp_size: int = 1, sp_rank: int
     Padding: 0 for every tensor; position_ids keep counting into the padding. An empty `indices`
     gives a dummy micro-batch: one padded sequence whose tensors (float keys included) are 0.
     Samples may carry position_ids (consecutive); one that starts at p > 0 continues the first p
-    tokens of the sample packed before it (`MicroBatch.prefix_lens`; not with sp).
+    tokens of the last sample before it that starts at 0 (`MicroBatch.prefix_lens`; not with sp).
     """
     if not 0 <= sp_rank < sp_size:
         raise ValueError(f"sp_rank {sp_rank} not in [0, sp_size={sp_size})")
@@ -221,7 +299,7 @@ def pack(samples: list[dict], indices: list[int], sp_size: int = 1, sp_rank: int
     for j, (s, n) in enumerate(zip(seqs, lengths)):
         n_pad = padded_length(n, sp_size)
         padded = {k: torch.nn.functional.pad(s[k], (0, n_pad - n)) for k in keys}
-        start = _prefix_len(s, j, lengths, sp_size, indices)
+        start = _prefix_len(s, j, [n for n, p in zip(lengths, prefix_lens) if p == 0], sp_size, indices)
         prefix_lens.append(start)
         padded["position_ids"] = torch.arange(start, start + n_pad, dtype=torch.long)
         for k, v in padded.items():
@@ -235,9 +313,9 @@ def pack(samples: list[dict], indices: list[int], sp_size: int = 1, sp_rank: int
                       lengths if real else [], prefix_lens if any(prefix_lens) else [])
 
 
-def _prefix_len(sample: dict, j: int, lengths: list[int], sp_size: int, indices: list[int]) -> int:
-    """Where a sample's own position_ids start (0 without them): the leading tokens of the
-    sequence packed before it that it continues."""
+def _prefix_len(sample: dict, j: int, root_lengths: list[int], sp_size: int, indices: list[int]) -> int:
+    """Where a sample's own position_ids start (0 without them): the leading tokens of the last
+    sample before it that starts at 0 (its root; `root_lengths` of those so far) it continues."""
     pos = sample.get("position_ids")
     if pos is None:
         return 0
@@ -245,11 +323,11 @@ def _prefix_len(sample: dict, j: int, lengths: list[int], sp_size: int, indices:
     if not torch.equal(pos, torch.arange(start, start + len(pos), dtype=pos.dtype)):
         raise ValueError(f"sample {indices[j]}: position_ids must count up by 1")
     if start and sp_size > 1:
-        raise ValueError(f"sample {indices[j]} continues the sample before it (position_ids "
-                         f"from {start}), which sp_size={sp_size} cannot split")
-    if start and (j == 0 or lengths[j - 1] < start):
-        raise ValueError(f"sample {indices[j]} continues the first {start} tokens of the sample "
-                         f"before it, but {'none is' if j == 0 else 'that one has fewer'}")
+        raise ValueError(f"sample {indices[j]} continues another sample (position_ids from "
+                         f"{start}), which sp_size={sp_size} cannot split")
+    if start and (not root_lengths or root_lengths[-1] < start):
+        raise ValueError(f"sample {indices[j]} continues the first {start} tokens of the last sample "
+                         f"before it that starts at 0, but {'none is' if not root_lengths else 'that one has fewer'}")
     return start
 
 

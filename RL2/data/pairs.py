@@ -4,7 +4,7 @@ and checking that a pair fits one micro-batch."""
 import torch
 
 from RL2.data.formats import tokenize_pair
-from RL2.data.packing import padded_length, token_capacity
+from RL2.data.packing import padded_length, shared_tail, token_capacity
 
 
 def pair_tokenizer(data_cfg, tokenizer, for_reward_model: bool):
@@ -25,8 +25,8 @@ def flatten_pairs(pairs: list[dict], share_prompt: bool = False) -> tuple[list[d
     groups [[0, 1], [2, 3], ...] that keep each pair in one micro-batch.
 
     share_prompt: each rejected side keeps only what follows the prompt it shares with its
-    chosen side (`shared_tail`), so the prompt is computed once per pair; the packed forward
-    lets it attend to the chosen side's copy (position_ids that start past 0)."""
+    chosen side (`packing.shared_tail`), so the prompt is computed once per pair; the packed
+    forward lets it attend to the chosen side's copy (position_ids that start past 0)."""
     if not share_prompt:
         samples = [s for p in pairs for s in (p["chosen"], p["rejected"])]
     else:
@@ -35,25 +35,6 @@ def flatten_pairs(pairs: list[dict], share_prompt: bool = False) -> tuple[list[d
             chosen = dict(p["chosen"], position_ids=torch.arange(len(p["chosen"]["input_ids"])))
             samples += [chosen, shared_tail(p["chosen"], p["rejected"])]
     return samples, [[2 * i, 2 * i + 1] for i in range(len(pairs))]
-
-
-def shared_tail(first: dict, second: dict) -> dict:
-    """`second` from the first position where it differs from `first` in any per-token tensor
-    or where either has an action token (log-probs of action tokens are summed per side, so
-    they are never shared), with `position_ids` counting on from there. At least its last
-    position is kept. For a DPO pair: the rejected side from the last prompt token, whose label
-    is the rejected response's first token."""
-    if set(first) != set(second):
-        raise ValueError(f"the two sides have different keys: {sorted(first)} vs {sorted(second)}")
-    n = min(len(first["input_ids"]), len(second["input_ids"]))
-    same = (first["action_mask"][:n] == 0) & (second["action_mask"][:n] == 0)
-    for k in first:
-        same &= first[k][:n] == second[k][:n]
-    differs = (~same).nonzero()
-    start = min(int(differs[0]) if len(differs) else n, len(second["input_ids"]) - 1)
-    tail = {k: v[start:] for k, v in second.items()}
-    tail["position_ids"] = torch.arange(start, len(second["input_ids"]))
-    return tail
 
 
 def pair_slots(mb) -> tuple[list[int], torch.Tensor, torch.Tensor]:

@@ -8,8 +8,8 @@ state is needed. The registered mask function returns None for the plain causal 
 builds a T x T mask; the attention function then runs causal attention inside every packed
 sequence (CPU: SDPA per sequence, or RL2's C kernel for modules `cpu_ops.use_attention` marked;
 CUDA fp16/bf16: flash-attn varlen if installed; with an sp group: zig-zag ring attention). A
-sequence may also continue the prefix of the one before it (shared DPO prompts: SDPA or flash-attn
-over gathered keys). Without a context (generate, padded batches) it behaves like HF "sdpa".
+sequence may also continue the prefix of an earlier one (shared prompts: SDPA or flash-attn over
+gathered keys). Without a context (generate, padded batches) it behaves like HF "sdpa".
 """
 from __future__ import annotations
 
@@ -36,9 +36,10 @@ class PackedContext:
     sp_group: process group of the sequence-parallel ranks, or None.
     ring_host: a `host_comm.HostGroup` of sp_group when ring attention may pass K/V blocks
     through shared memory (CPU, one host), or None (P2P over the group's backend).
-    prefix_lens: per sequence, how many leading tokens of the sequence before it it also
-    attends to (a DPO pair's rejected side sees its chosen side's prompt: `pairs.shared_tail`);
-    None or all 0: plain causal attention inside each sequence. Not with sp.
+    prefix_lens: per sequence, how many leading tokens of its root (the last sequence before it
+    with prefix 0) it also attends to (a DPO pair's rejected side sees its chosen side's
+    prompt, a GRPO sample its group's: `packing.shared_tail`); None or all 0: plain causal
+    attention inside each sequence. Not with sp.
 
     A plain class on purpose: FSDP2's input cast (`torch.distributed.utils._apply_to_tensors`)
     rebuilds every dataclass it finds in the forward kwargs at every FSDP unit, which would drop
@@ -64,19 +65,21 @@ class PackedContext:
 
     def keys(self, device) -> tuple[torch.Tensor, list[int], torch.Tensor]:
         """With `prefix_lens`: (index, key bounds, key cu_seqlens). The index lists the row
-        positions each sequence attends to, sequence after sequence (its predecessor's first
-        p tokens, then its own); key bounds say where each sequence's keys start and end in it
+        positions each sequence attends to, sequence after sequence (its root's first p
+        tokens, then its own); key bounds say where each sequence's keys start and end in it
         (also as an int32 tensor for flash-attn). Built once per micro-batch, not per layer."""
         if self._keys is None:
-            b, idx, cu_k = self.bounds, [], [0]
+            b, idx, cu_k, root = self.bounds, [], [0], None
             if len(self.prefix_lens) != len(b) - 1:
                 raise ValueError(f"{len(self.prefix_lens)} prefix lengths for {len(b) - 1} sequences")
             for j, p in enumerate(self.prefix_lens):
-                if p and (j == 0 or p > b[j] - b[j - 1]):
-                    raise ValueError(f"sequence {j} continues {p} tokens of a sequence before it "
-                                     "that has fewer")
-                if p:
-                    idx.append(torch.arange(b[j - 1], b[j - 1] + p))
+                if not p:
+                    root = j
+                elif root is None or p > b[root + 1] - b[root]:
+                    raise ValueError(f"sequence {j} continues {p} tokens of the last sequence "
+                                     "before it with prefix 0, but there is none or it has fewer")
+                else:
+                    idx.append(torch.arange(b[root], b[root] + p))
                 idx.append(torch.arange(b[j], b[j + 1]))
                 cu_k.append(cu_k[-1] + p + b[j + 1] - b[j])
             self._keys = (torch.cat(idx).to(device), cu_k,

@@ -9,7 +9,8 @@ import time
 
 import torch
 
-from RL2.algorithms.dpo import dpo_eval, dpo_update, share_prompt
+from RL2.algorithms.dpo import dpo_eval, dpo_update
+from RL2.data.packing import resolve_share_prompt
 from RL2.data.pairs import check_pair_lengths, flatten_pairs, pair_tokenizer
 from RL2.trainer.base import Trainer
 from RL2.workers.actor import Actor
@@ -21,7 +22,7 @@ class DPOTrainer(Trainer):
         self.train_data, self.test_data = self.load_splits(
             pair_tokenizer(cfg.data.train, self.tokenizer, for_reward_model=False))
         check_pair_lengths(self.train_data + self.test_data, cfg.actor)
-        self.share_prompt = share_prompt(cfg.actor, self.device)
+        resolve_share_prompt(cfg.actor, self.device)  # a bad value stops the run before loading
         self.sampler, self.n_steps = self.plan_steps(len(self.train_data), cfg.data.train.batch_size)
         self.actor = Actor(cfg.actor, self.device, total_steps=self.n_steps, seed=cfg.trainer.seed)
         self.ref = self.reference_model()
@@ -36,14 +37,14 @@ class DPOTrainer(Trainer):
 
     def update(self, pairs: list[dict]) -> dict:
         start = time.perf_counter()
-        ref_logps = self.ref.compute_sequence_logps(*flatten_pairs(pairs, self.share_prompt))
+        ref_logps = self.ref.compute_sequence_logps(*flatten_pairs(pairs, self.actor.share_prompt))
         ref_time = time.perf_counter() - start
         return dict(dpo_update(self.actor, pairs, ref_logps), ref_time=ref_time)
 
     def evaluate(self) -> dict:
         if self.test_data and self.test_ref_logps is None:
             self.test_ref_logps = self.ref.compute_sequence_logps(
-                *flatten_pairs(self.test_data, self.share_prompt))
+                *flatten_pairs(self.test_data, self.actor.share_prompt))
 
         def eval_chunk(idx):
             sides = torch.tensor([[2 * i, 2 * i + 1] for i in idx]).flatten()  # flatten_pairs layout

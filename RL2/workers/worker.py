@@ -9,7 +9,8 @@ import torch.distributed as dist
 from omegaconf import DictConfig
 
 from RL2.algorithms.losses import upcast
-from RL2.data.packing import MicroBatch, pack, plan_micro_batches, token_capacity, unpack
+from RL2.data.packing import (MicroBatch, pack, plan_micro_batches, resolve_share_prompt, share_prefixes,
+                              token_capacity, unpack)
 from RL2.parallel import host_comm
 from RL2.parallel.attention import PackedContext, check_sp_rope, config_rope_types, packed_kwargs, rope_types
 from RL2.parallel.collectives import gather_objects
@@ -100,6 +101,9 @@ class Worker:
                         cpu_ops.use_attention(self.model), cpu_ops.use_rope(self.model))
         self.config = self.model.config
         self.logits_for_actions_only = not value_head and takes_positions_to_keep(self.model)
+        # samples that repeat an earlier one's first tokens continue it (`plan`); a value model
+        # reads values at prompt tokens of every sample, so it keeps them
+        self.share_prompt = not value_head and resolve_share_prompt(cfg, device)
         check_sp_rope(rope_types(self.model), self.dims.sp)
         # ring attention's K/V blocks through shared memory, as FSDP's collectives (cpu_comm)
         self.ring_host = None
@@ -125,7 +129,14 @@ class Worker:
     # ----- batching -----
     def plan(self, samples: list[dict], groups: list[list[int]] | None = None) -> list[MicroBatch]:
         """This rank's packed micro-batches; the plan is made on rank 0 and broadcast so every
-        rank agrees on it even if tie-breaks differ."""
+        rank agrees on it even if tie-breaks differ. With `share_prompt` and no `groups`, a
+        sample that repeats an earlier one's first tokens (a GRPO group's prompt) is packed as a
+        tail continuing it (`packing.share_prefixes`); per-token outputs then cover the tail."""
+        if groups is None and self.share_prompt:
+            samples, groups, _ = share_prefixes(samples, self.capacity)
+        return self._plan(samples, groups)
+
+    def _plan(self, samples: list[dict], groups: list[list[int]] | None) -> list[MicroBatch]:
         lengths = [len(s["input_ids"]) for s in samples]
         plan = [None]
         if dist.get_rank() == 0:
@@ -185,11 +196,17 @@ class Worker:
         rank (micro-batches are spread over dp ranks, then gathered; `groups` as for `plan`)."""
         was_training = self.model.training
         self.model.eval()
+        dropped = None
+        if groups is None and self.share_prompt:  # as `plan`, then outputs at full length
+            samples, groups, dropped = share_prefixes(samples, self.capacity)
         local = {}
-        for mb in self.plan(samples, groups):
+        for mb in self._plan(samples, groups):
             out = self.forward(mb, **kw)[key]
             for i, t in zip(mb.indices, unpack(mb, out, self.dims.sp_group)):
-                local[i] = upcast(t.detach()).cpu()
+                t = upcast(t.detach()).cpu()
+                if dropped and dropped[i]:  # taken from its root: nothing reads them (0 there)
+                    t = torch.cat([t.new_zeros(dropped[i], *t.shape[1:]), t])
+                local[i] = t
         if was_training:
             self.model.train()
         if self.train and not self.reshard_after_forward:

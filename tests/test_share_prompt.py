@@ -1,0 +1,118 @@
+"""Shared prompts in a PPO update (`actor.share_prompt`): samples of a group that repeat its
+prompt are packed as tails continuing the first (`packing.share_prefixes`). The update and the
+log-probs read out after it equal those of the same update with share_prompt=false, and the
+shared update is the same on 1 and 2 ranks (FSDP2, TP2).
+
+Not to float64 rounding against share_prompt=false: HF's RMSNorm computes in float32 even in a
+float64 model (`hidden_states.to(torch.float32)`), and a shared prompt's gradient is summed
+before it rather than after it (one copy instead of a group's), which moves sums by ~1e-8; a
+wrong mask or position would move them by > 1e-3. Parallel == serial, both shared, stays tight."""
+import math
+
+import pytest
+import torch
+
+from tests.dist_utils import run_dist
+from tests.run_utils import fixed_batch
+
+BASE = ["data.train.path=unused", "actor.rollout.env_path=unused", "actor.lr=1e-3",
+        "actor.clip=0.2", "actor.tis_coef=2.0", "actor.entropy_coef=0.01", "kl.coef=0.1",
+        "kl.type=loss", "kl.loss_estimator=k3", "actor.update_per_rollout=2",
+        "actor.max_grad_norm=null", "actor.dtype=float64"]
+LAYOUTS = {1: {"serial": []}, 2: {"fsdp2": ["actor.max_length_per_device=160"],
+                                  "tp2": ["actor.tp_size=2", "actor.max_length_per_device=160"]}}
+
+
+def grouped_batch(vocab: int, groups: int = 4, size: int = 3, seed: int = 0) -> list[dict]:
+    """`groups` prompts (6, 8, 10, ... tokens) with `size` responses each (some with environment
+    tokens inside), and per-token advantages / old / ref / engine log-probs around the tiny
+    model's scale as in run_utils.fixed_batch; prompt positions hold each sample's own values
+    (nothing reads them)."""
+    g = torch.Generator().manual_seed(seed)
+    samples = []
+    for k in range(groups):
+        prompt = torch.randint(0, vocab, (6 + 2 * k,), generator=g)
+        for i in range(size):
+            n = int(torch.randint(6, 20, (1,), generator=g))
+            ids = torch.cat([prompt, torch.randint(0, vocab, (n,), generator=g)])
+            mask = torch.zeros(len(ids) - 1)
+            mask[len(prompt) - 1:] = 1.0  # from the last prompt token: its label is the response's first
+            if i == 1:
+                mask[len(prompt) + 2:len(prompt) + 4] = 0.0  # environment tokens
+            noise = lambda scale: scale * torch.randn(len(mask), generator=g)  # noqa: E731
+            old = -math.log(vocab) + noise(0.3)
+            samples.append({"input_ids": ids[:-1], "labels": ids[1:], "action_mask": mask,
+                            "advantages": noise(1.0) * mask, "old_logps": old,
+                            "ref_logps": old + noise(0.2), "engine_logps": old + noise(0.5)})
+    return samples
+
+
+def _updates(rank, world_size, model_path):
+    from RL2.algorithms.ppo import actor_update
+    from RL2.utils.config import load_config
+    from RL2.workers.actor import Actor
+
+    torch.set_num_threads(1)
+    results = {}
+    for name, extra in LAYOUTS[world_size].items():
+        for share in ("true", "false"):
+            cfg = load_config("ppo", BASE + [f"actor.model_name={model_path}", f"actor.share_prompt={share}"] + extra)
+            actor = Actor(cfg.actor, "cpu", total_steps=4, seed=0)
+            samples = grouped_batch(actor.config.vocab_size)
+            shared = [p for mb in actor.plan(samples) for p in mb.prefix_lens if p]
+            assert bool(shared) == (share == "true") and (world_size > 1 or len(shared) in (0, 8)), shared
+            out = actor_update(actor, samples, cfg.actor, cfg.kl, seed=1)
+            logps = actor.compute_logps(samples)
+            assert [len(lp) for lp in logps] == [len(s["input_ids"]) for s in samples]
+            out["after/logps"] = sum((lp.double() * s["action_mask"]).sum().item() for lp, s in zip(logps, samples))
+            results[(name, share)] = out
+            del actor
+    return results
+
+
+@pytest.fixture(scope="module")
+def launches(assets):
+    return {w: run_dist(_updates, w, assets["model"], timeout=600)[0] for w in (1, 2)}
+
+
+def test_groups_share_their_prompt():
+    from RL2.data.packing import share_prefixes
+
+    samples = grouped_batch(96)
+    shared, groups, dropped = share_prefixes(samples, 4096)
+    assert groups == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9, 10, 11]]
+    # a follower keeps its last prompt token (its label is its own first response token)
+    assert dropped == [d for k in range(4) for d in (0, 5 + 2 * k, 5 + 2 * k)]
+    for s, t, d in zip(samples, shared, dropped):
+        assert torch.equal(t["input_ids"], s["input_ids"][d:]) and t["position_ids"].tolist() == list(range(d, len(s["input_ids"])))
+    # a group holds at most `capacity` tokens: past it a sample starts a group of its own
+    lengths = [len(s["input_ids"]) for s in samples[:3]]
+    _, groups, dropped = share_prefixes(samples[:3], lengths[0] + lengths[1] - 5)
+    assert groups == [[0, 1]] and dropped == [0, 5, 0]
+    # fewer than MIN_SHARED_TOKENS in common: no group
+    assert share_prefixes(grouped_batch(96, groups=1, size=2, seed=1), 4096)[1] != []
+    short = [dict(s) for s in samples[:2]]
+    short[1]["input_ids"] = torch.cat([short[0]["input_ids"][:3], short[1]["input_ids"][3:] + 1])
+    assert share_prefixes(short, 4096)[1] == []
+
+
+def _close(a, b, rtol):
+    return math.isclose(a, b, rel_tol=rtol, abs_tol=rtol * 1e-2)
+
+
+def test_shared_update_equals_unshared(launches):
+    for w, layouts in LAYOUTS.items():
+        for name in layouts:
+            on, off = launches[w][(name, "true")], launches[w][(name, "false")]
+            assert sorted(on) == sorted(off)
+            for key in on:
+                assert _close(on[key], off[key], 1e-7), f"{name} {key}: shared {on[key]} vs {off[key]}"
+    assert launches[1][("serial", "true")]["grad_norm"] > 0
+
+
+def test_shared_update_parallel_equals_serial(launches):
+    ref = launches[1][("serial", "true")]
+    for name in LAYOUTS[2]:
+        got = launches[2][(name, "true")]
+        for key in ref:
+            assert _close(got[key], ref[key], 1e-10), f"{name} {key}: {got[key]} vs serial {ref[key]}"

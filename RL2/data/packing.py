@@ -109,29 +109,28 @@ def shared_tail(first: dict, second: dict, start: int | None = None) -> dict:
 
 
 def share_prefixes(samples: list[dict], capacity: int) -> tuple[list[dict], list[list[int]], list[int]]:
-    """Turn every sample that shares >= MIN_SHARED_TOKENS leading tokens with an earlier root
-    (one that keeps its own start) into a tail continuing the root that shares the most, and
-    keep each root with its tails in one group of at most `capacity` tokens. Returns (samples,
-    groups (root first), tokens dropped from each sample). Deterministic: every rank gets the
-    same result from the same samples."""
+    """Turn samples that share >= MIN_SHARED_TOKENS leading tokens (`shared_length`) with a root
+    into tails continuing it, each root with its tails in one group of at most `capacity`
+    tokens. Returns (samples, groups (root first), tokens dropped from each sample).
+
+    Samples are visited in the lexicographic order of their input_ids, where the samples
+    sharing most with one another are neighbours: one tuple sort and one comparison per
+    sample, not one per pair. Deterministic: every rank gets the same result."""
     out = [dict(s, position_ids=torch.arange(len(s["input_ids"]))) for s in samples]
-    dropped, members, total = [0] * len(samples), {}, {}
-    roots_by_token = {}  # first input id -> roots that start with it
-    for i, s in enumerate(samples):
-        n = len(s["input_ids"])
-        best, best_len = None, MIN_SHARED_TOKENS - 1
-        for r in roots_by_token.get(int(s["input_ids"][0]), []) if n else []:
-            length = shared_length(samples[r], s)
-            if length > best_len and total[r] + n - length <= capacity:
-                best, best_len = r, length
-        if best is None:
-            members[i], total[i] = [i], n
-            roots_by_token.setdefault(int(s["input_ids"][0]) if n else -1, []).append(i)
+    dropped, groups = [0] * len(samples), []
+    order = sorted(range(len(samples)), key=lambda i: (samples[i]["input_ids"].tolist(), i))
+    root, total = None, 0
+    for i in order:
+        n = len(samples[i]["input_ids"])
+        length = shared_length(samples[root], samples[i]) if root is not None else 0
+        if length < MIN_SHARED_TOKENS or total + n - length > capacity:
+            root, total = i, n
+            groups.append([i])
             continue
-        out[i], dropped[i] = shared_tail(samples[best], s, best_len), best_len
-        members[best].append(i)
-        total[best] += n - best_len
-    return out, [g for g in members.values() if len(g) > 1], dropped
+        out[i], dropped[i] = shared_tail(samples[root], samples[i], length), length
+        groups[-1].append(i)
+        total += n - length
+    return out, [g for g in groups if len(g) > 1], dropped
 
 
 # ---------------------------------------------------------------- partition

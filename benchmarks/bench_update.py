@@ -1,7 +1,7 @@
 """PPO actor update vs SFT step on the same tokens (issue 20: within 1.1x per token).
 
     python -m benchmarks.bench_update [--quick] [--repeats 5] [--profile ppo|sft]
-                                      [--model DIR] [--logits-ab]
+                                      [--model DIR] [--logits-ab] [--share-ab]
 
 One process, one rank, one thread: a GRPO-shaped batch (16 sequences of a ~22-token prompt +
 64 response tokens, the issue's workload) goes through `RL2.algorithms.sft.sft_update` and
@@ -10,7 +10,9 @@ KL) on the same Actor, alternating, timed in process CPU time (insensitive to ot
 The table gives the median seconds of each and the ratio. `--profile` prints a torch.profiler
 table of one step instead. `--model` takes an HF checkpoint instead of the issue's model (e.g.
 SmolLM2 from `python -m RL2.tools.smollm2 --out DIR`); `--logits-ab` adds the PPO step with
-logits at every position (`Worker.logits_for_actions_only` off) to the rounds.
+logits at every position (`Worker.logits_for_actions_only` off) to the rounds; `--share-ab`
+gives the batch 4 prompts x 4 responses and adds the PPO step with `actor.share_prompt` on (each
+group's prompt computed once).
 """
 import argparse
 import os
@@ -22,11 +24,15 @@ import torch
 from benchmarks.common import median, setup_threads, table
 
 
-def make_batch(vocab: int, n: int = 16, prompt: int = 22, response: int = 64, seed: int = 0):
+def make_batch(vocab: int, n: int = 16, prompt: int = 22, response: int = 64, seed: int = 0,
+               group: int = 1):
+    """n sequences; `group` consecutive ones share their prompt (GRPO's responses per prompt)."""
     g = torch.Generator().manual_seed(seed)
     samples = []
     for i in range(n):
         ids = torch.randint(4, vocab, (prompt + response + 1,), generator=g)
+        if i % group:
+            ids[:prompt] = samples[-1]["input_ids"][:prompt]
         mask = torch.zeros(prompt + response)
         mask[prompt:] = 1.0
         adv = (torch.randn((), generator=g) * mask)
@@ -53,7 +59,7 @@ def build(root: str, quick: bool, model: str | None = None):
     return actor, cfg, actor.config.vocab_size
 
 
-def steps(actor, cfg, logits_ab: bool = False):
+def steps(actor, cfg, logits_ab: bool = False, share_ab: bool = False):
     from RL2.algorithms.ppo import actor_update
     from RL2.algorithms.sft import sft_update
 
@@ -67,6 +73,14 @@ def steps(actor, cfg, logits_ab: bool = False):
             finally:
                 actor.logits_for_actions_only = before
         fns["ppo, logits everywhere"] = everywhere
+    if share_ab:
+        def shared(b):
+            before, actor.share_prompt = actor.share_prompt, True
+            try:
+                return fns["ppo"](b)
+            finally:
+                actor.share_prompt = before
+        fns["ppo, shared prompt"] = shared
     return fns
 
 
@@ -78,6 +92,8 @@ def main(argv=None):
     p.add_argument("--model", help="an HF checkpoint directory instead of the issue's model")
     p.add_argument("--logits-ab", action="store_true",
                    help="also time the PPO step with logits at every position")
+    p.add_argument("--share-ab", action="store_true",
+                   help="4 prompts x 4 responses; also time the PPO step with share_prompt on")
     args = p.parse_args(argv)
     setup_threads(1, "cpu")
     from RL2.parallel.mesh import init_distributed
@@ -85,8 +101,8 @@ def main(argv=None):
     init_distributed("cpu")
     with tempfile.TemporaryDirectory() as root:
         actor, cfg, vocab = build(root, args.quick, args.model)
-        batch = make_batch(vocab)
-        fns = steps(actor, cfg, args.logits_ab)
+        batch = make_batch(vocab, group=4 if args.share_ab else 1)
+        fns = steps(actor, cfg, args.logits_ab, args.share_ab)
         for f in fns.values():
             f(batch)  # warm-up
         if args.profile:
@@ -110,6 +126,9 @@ def main(argv=None):
     if args.logits_ab:
         ab = median([a / e for a, e in zip(times["ppo"], times["ppo, logits everywhere"])])
         print(f"PPO with logits on action tokens only / everywhere (median of per-round ratios): {ab:.3f}")
+    if args.share_ab:
+        ab = median([a / e for a, e in zip(times["ppo, shared prompt"], times["ppo"])])
+        print(f"PPO with shared prompts / without (median of per-round ratios): {ab:.3f}")
 
 
 if __name__ == "__main__":

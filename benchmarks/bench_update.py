@@ -53,8 +53,10 @@ def build(root: str, quick: bool, model: str | None = None):
         tok = build_tokenizer(vocab_size=spec.pop("vocab"))
         path = os.path.join(root, "model")
         build_tiny_model(path, tok, "qwen2", **spec)
+    # share_prompt off: the steps compare the same tokens (`--share-ab` switches it on for its row)
     cfg = load_config("ppo", [f"actor.model_name={path}", "data.train.path=unused",
-                              "actor.rollout.env_path=unused", "actor.lr=1e-6", "kl.coef=0"])
+                              "actor.rollout.env_path=unused", "actor.lr=1e-6", "kl.coef=0",
+                              "actor.share_prompt=false"])
     actor = Actor(cfg.actor, "cpu", total_steps=10 ** 6)
     return actor, cfg, actor.config.vocab_size
 

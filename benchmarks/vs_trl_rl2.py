@@ -60,7 +60,7 @@ def sft_dpo_steps(args, model: str):
     pairs = dpo_pairs(load_rows(args.assets, "dpo"), AutoTokenizer.from_pretrained(model))
 
     def step(batch, record):
-        dpo_update(actor, batch, ref.compute_sequence_logps(*flatten_pairs(batch, actor.share_prompt)))  # live reference
+        dpo_update(actor, batch, ref.compute_sequence_logps(*flatten_pairs(batch, ref.share_prompt)))  # live reference
         # the pairs' tokens in full (+ 1: TRL counts the last token), shared prompt or not
         return sum(len(s["input_ids"]) + 1 for s in flatten_pairs(batch)[0])
     return [pairs[i:i + args.pairs] for i in range(0, len(pairs), args.pairs)], step

@@ -160,6 +160,28 @@ def test_bad_reshard_after_forward_is_refused_by_name(assets, tmp_path):
     assert proc.returncode != 0 and "reshard_after_forward='sometimes'" in proc.stderr + proc.stdout
 
 
+def test_each_rejected_side_continues_its_chosen_sides_prompt(assets):
+    """flatten_pairs(share_prompt=True) on the test data: every rejected side starts at its last
+    prompt token (position_ids from there) and keeps every response token."""
+    from RL2.data.io import load_rows
+    from RL2.data.pairs import flatten_pairs, pair_tokenizer
+    from RL2.utils.config import load_config
+
+    cfg = load_config("dpo", dpo_args(assets))
+    tokenize = pair_tokenizer(cfg.data.train, assets["tokenizer"], for_reward_model=False)
+    rows = load_rows(f"{assets['data']}/pref_train.jsonl")
+    pairs = [tokenize(rows[i], i, "pref_train") for i in range(8)]
+    samples, groups = flatten_pairs(pairs, share_prompt=True)
+    assert groups == [[2 * i, 2 * i + 1] for i in range(8)]
+    for p, chosen, tail in zip(pairs, samples[0::2], samples[1::2]):
+        full = p["rejected"]
+        start = int(full["action_mask"].nonzero()[0])  # the last prompt token: its label responds
+        assert start > 0 and tail["position_ids"][0] == start  # the last prompt token onwards
+        assert torch.equal(tail["input_ids"], full["input_ids"][start:])
+        assert tail["action_mask"].sum() == full["action_mask"].sum()
+        assert chosen["position_ids"].tolist() == list(range(len(chosen["input_ids"])))
+
+
 def test_shared_prompt_equals_unshared(serial, serial_unshared):
     """actor.share_prompt (auto: on in the CPU serial run) computes each pair's prompt once; off,
     every metric agrees. Not to 1e-9: HF's RMSNorm computes in float32 even in a float64 model

@@ -97,6 +97,43 @@ def test_groups_share_their_prompt():
     assert share_prefixes(short, 4096)[1] == []
 
 
+def headed_batch(prompts: int, responses: int, header: int = 20, body: int = 30, response: int = 40):
+    """Chat-like samples: every prompt starts with the same `header` tokens (a template's system
+    turn), then its own `body`; `responses` samples per prompt, shuffled as a mini-batch is."""
+    g = torch.Generator().manual_seed(3)
+    head = torch.randint(0, 96, (header,), generator=g)
+    samples = []
+    for _ in range(prompts):
+        prompt = torch.cat([head, torch.randint(0, 96, (body,), generator=g)])
+        for _ in range(responses):
+            ids = torch.cat([prompt, torch.randint(0, 96, (response + 1,), generator=g)])
+            mask = torch.zeros(len(ids) - 1)
+            mask[len(prompt) - 1:] = 1.0
+            samples.append({"input_ids": ids[:-1], "labels": ids[1:], "action_mask": mask})
+    order = torch.randperm(len(samples), generator=g).tolist()
+    return [samples[i] for i in order], order
+
+
+def test_prompts_behind_a_common_header_share_their_own_prompt():
+    """Every prompt begins with the same header: each group still shares its whole prompt (not
+    only the header with the first group), and with dp ranks the groups stay small enough to
+    balance (one group of the whole batch would put every token on one rank)."""
+    from RL2.data.packing import plan_micro_batches, share_prefixes
+
+    samples, order = headed_batch(4, 4)
+    shared, groups, dropped = share_prefixes(samples, 4096)
+    prompt_of = [o // 4 for o in order]
+    assert sorted(sorted(prompt_of[i] for i in g) for g in groups) == [[p] * 4 for p in range(4)]
+    assert sorted(dropped) == [0] * 4 + [49] * 12  # the whole 50-token prompt but its last token
+
+    samples, _ = headed_batch(8, 4)
+    shared, groups, _ = share_prefixes(samples, 4096, dp_size=4)
+    lengths = [len(s["input_ids"]) for s in shared]
+    plan = plan_micro_batches(lengths, 4, 4096, groups=groups)
+    per_rank = [sum(lengths[i] for mb in rank for i in mb) for rank in plan]
+    assert len(groups) == 8 and max(per_rank) <= 1.1 * sum(lengths) / 4, per_rank
+
+
 def _close(a, b, rtol):
     return math.isclose(a, b, rel_tol=rtol, abs_tol=rtol * 1e-2)
 
@@ -117,3 +154,27 @@ def test_shared_update_parallel_equals_serial(launches):
         got = launches[2][(name, "true")]
         for key in ref:
             assert _close(got[key], ref[key], 1e-10), f"{name} {key}: {got[key]} vs serial {ref[key]}"
+
+
+def test_a_ppo_step_with_shared_prompts_equals_one_without(assets, tmp_path):
+    """The trainer's whole step on one rollout: reference, critic values, old log-probs (with
+    shared prompts: computed on tails, re-padded), a k1 KL in the rewards, GAE, two
+    mini-batches. The first step's rollout is the same either way (same engine weights and
+    seed), so its update metrics must agree (float64; see the module docstring for 1e-7)."""
+    from tests.run_utils import ANSWER_MATCH, read_metrics, run_trainer
+
+    args = [f"actor.model_name={assets['model']}", f"data.train.path={assets['data']}/ppo_train.jsonl",
+            f"actor.rollout.env_path={ANSWER_MATCH}", "actor.rollout.prompts_per_rollout=4",
+            "actor.rollout.responses_per_prompt=4", "actor.rollout.train_sampling_params.max_new_tokens=6",
+            "trainer.total_steps=1", "actor.lr=1e-2", "critic.lr=1e-2", "adv.estimator=gae",
+            "kl.coef=0.1", "kl.type=reward", "actor.update_per_rollout=2", "actor.dtype=float64",
+            "critic.dtype=float64", "actor.rollout.torch.dtype=float64"]
+    rows = {}
+    for share in ("true", "false"):
+        run_trainer("ppo", 1, args + [f"actor.share_prompt={share}"], tmp_path / share)
+        rows[share] = next(r for r in read_metrics(tmp_path / share) if "actor/loss" in r)
+    on, off = rows["true"], rows["false"]
+    keys = [k for k in on if k.split("/")[0] in ("actor", "critic", "adv", "rollout") and isinstance(on[k], float)]
+    assert {"actor/loss", "actor/grad_norm", "critic/value_loss", "adv/kl_reward", "rollout/engine_kl"} <= set(keys)
+    for k in keys:
+        assert _close(on[k], off[k], 1e-7), f"{k}: shared {on[k]} vs {off[k]}"

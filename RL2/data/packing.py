@@ -108,22 +108,30 @@ def shared_tail(first: dict, second: dict, start: int | None = None) -> dict:
     return tail
 
 
-def share_prefixes(samples: list[dict], capacity: int) -> tuple[list[dict], list[list[int]], list[int]]:
+def share_prefixes(samples: list[dict], capacity: int,
+                   dp_size: int = 1) -> tuple[list[dict], list[list[int]], list[int]]:
     """Turn samples that share >= MIN_SHARED_TOKENS leading tokens (`shared_length`) with a root
-    into tails continuing it, each root with its tails in one group of at most `capacity`
-    tokens. Returns (samples, groups (root first), tokens dropped from each sample).
+    into tails continuing it. Returns (samples, groups (root first), tokens dropped from each
+    sample).
 
     Samples are visited in the lexicographic order of their input_ids, where the samples
-    sharing most with one another are neighbours: one tuple sort and one comparison per
-    sample, not one per pair. Deterministic: every rank gets the same result."""
+    sharing most with one another are neighbours: one tuple sort and a comparison or two per
+    sample, not one per pair. A sample that shares more with the next one than with the
+    current root starts a group of its own: prompts behind a common chat header share their
+    own prompt, not just the header. A group holds at most `capacity` tokens, and with
+    dp_size > 1 at most a rank's share of the batch, so that groups can still be balanced over
+    the ranks. Deterministic: every rank gets the same result."""
     out = [dict(s, position_ids=torch.arange(len(s["input_ids"]))) for s in samples]
     dropped, groups = [0] * len(samples), []
     order = sorted(range(len(samples)), key=lambda i: (samples[i]["input_ids"].tolist(), i))
+    total_tokens = sum(len(s["input_ids"]) for s in samples)
+    limit = capacity if dp_size <= 1 else min(capacity, -(-total_tokens // dp_size))
     root, total = None, 0
-    for i in order:
+    for k, i in enumerate(order):
         n = len(samples[i]["input_ids"])
         length = shared_length(samples[root], samples[i]) if root is not None else 0
-        if length < MIN_SHARED_TOKENS or total + n - length > capacity:
+        ahead = shared_length(samples[i], samples[order[k + 1]]) if k + 1 < len(order) else 0
+        if length < MIN_SHARED_TOKENS or ahead > length or total + n - length > limit:
             root, total = i, n
             groups.append([i])
             continue

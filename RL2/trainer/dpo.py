@@ -37,14 +37,14 @@ class DPOTrainer(Trainer):
 
     def update(self, pairs: list[dict]) -> dict:
         start = time.perf_counter()
-        ref_logps = self.ref.compute_sequence_logps(*flatten_pairs(pairs, self.actor.share_prompt))
+        ref_logps = self.ref.compute_sequence_logps(*flatten_pairs(pairs, self.ref.share_prompt))
         ref_time = time.perf_counter() - start
         return dict(dpo_update(self.actor, pairs, ref_logps), ref_time=ref_time)
 
     def evaluate(self) -> dict:
         if self.test_data and self.test_ref_logps is None:
             self.test_ref_logps = self.ref.compute_sequence_logps(
-                *flatten_pairs(self.test_data, self.actor.share_prompt))
+                *flatten_pairs(self.test_data, self.ref.share_prompt))
 
         def eval_chunk(idx):
             sides = torch.tensor([[2 * i, 2 * i + 1] for i in idx]).flatten()  # flatten_pairs layout

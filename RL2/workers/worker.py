@@ -133,7 +133,7 @@ class Worker:
         sample that repeats an earlier one's first tokens (a GRPO group's prompt) is packed as a
         tail continuing it (`packing.share_prefixes`); per-token outputs then cover the tail."""
         if groups is None and self.share_prompt:
-            samples, groups, _ = share_prefixes(samples, self.capacity)
+            samples, groups, _ = share_prefixes(samples, self.capacity, self.dims.dp)
         return self._plan(samples, groups)
 
     def _plan(self, samples: list[dict], groups: list[list[int]] | None) -> list[MicroBatch]:
@@ -198,7 +198,7 @@ class Worker:
         self.model.eval()
         dropped = None
         if groups is None and self.share_prompt:  # as `plan`, then outputs at full length
-            samples, groups, dropped = share_prefixes(samples, self.capacity)
+            samples, groups, dropped = share_prefixes(samples, self.capacity, self.dims.dp)
         local = {}
         for mb in self._plan(samples, groups):
             out = self.forward(mb, **kw)[key]

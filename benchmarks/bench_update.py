@@ -67,22 +67,20 @@ def steps(actor, cfg, logits_ab: bool = False, share_ab: bool = False):
 
     fns = {"sft": lambda b: sft_update(actor, b),
            "ppo": lambda b: actor_update(actor, b, cfg.actor, cfg.kl, seed=0)}
+    def ppo_with(attr, value):  # the PPO step with one worker switch flipped for its duration
+        def run(b):
+            before = getattr(actor, attr)
+            setattr(actor, attr, value)
+            try:
+                return fns["ppo"](b)
+            finally:
+                setattr(actor, attr, before)
+        return run
+
     if logits_ab:
-        def everywhere(b):
-            before, actor.logits_for_actions_only = actor.logits_for_actions_only, False
-            try:
-                return fns["ppo"](b)
-            finally:
-                actor.logits_for_actions_only = before
-        fns["ppo, logits everywhere"] = everywhere
+        fns["ppo, logits everywhere"] = ppo_with("logits_for_actions_only", False)
     if share_ab:
-        def shared(b):
-            before, actor.share_prompt = actor.share_prompt, True
-            try:
-                return fns["ppo"](b)
-            finally:
-                actor.share_prompt = before
-        fns["ppo, shared prompt"] = shared
+        fns["ppo, shared prompt"] = ppo_with("share_prompt", True)
     return fns
 
 

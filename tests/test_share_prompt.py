@@ -60,7 +60,7 @@ def _updates(rank, world_size, model_path):
             actor = Actor(cfg.actor, "cpu", total_steps=4, seed=0)
             samples = grouped_batch(actor.config.vocab_size)
             shared = [p for mb in actor.plan(samples) for p in mb.prefix_lens if p]
-            assert bool(shared) == (share == "true") and (world_size > 1 or len(shared) in (0, 8)), shared
+            assert bool(shared) == (share == "true") and (world_size > 1 or len(shared) in (0, 12)), shared
             out = actor_update(actor, samples, cfg.actor, cfg.kl, seed=1)
             logps = actor.compute_logps(samples)
             assert [len(lp) for lp in logps] == [len(s["input_ids"]) for s in samples]
@@ -80,17 +80,28 @@ def test_groups_share_their_prompt():
 
     samples = grouped_batch(96)
     shared, groups, dropped = share_prefixes(samples, 4096)
-    assert sorted(sorted(g) for g in groups) == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9, 10, 11]]
-    # the root keeps its start; the others keep their last prompt token (its label is their own
-    # first response token)
-    for g in groups:  # group k's prompt has 6 + 2k tokens
-        assert dropped[g[0]] == 0 and all(dropped[i] == 5 + 2 * (min(g) // 3) for i in g[1:])
+    # one prefix sequence per group (appended, index >= 12), then its members, all tails
+    assert len(shared) == 16 and sorted(g[0] for g in groups) == [12, 13, 14, 15]
+    assert sorted(sorted(g[1:]) for g in groups) == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9, 10, 11]]
+    # each keeps its last prompt token (its label is its own first response token)
+    assert dropped == [5 + 2 * (i // 3) for i in range(12)]
+    for g in groups:
+        p = dropped[g[1]]
+        assert torch.equal(shared[g[0]]["input_ids"], samples[g[1]]["input_ids"][:p])
+        assert shared[g[0]]["action_mask"].sum() == 0
     for s, t, d in zip(samples, shared, dropped):
         assert torch.equal(t["input_ids"], s["input_ids"][d:]) and t["position_ids"].tolist() == list(range(d, len(s["input_ids"])))
+    # the same groups and tails whatever the order of the samples (the old log-probs pass and a
+    # shuffled mini-batch must compute every sample the same way)
+    perm = torch.randperm(12, generator=torch.Generator().manual_seed(0)).tolist()
+    again, groups2, dropped2 = share_prefixes([samples[i] for i in perm], 4096)
+    assert [dropped2[perm.index(i)] for i in range(12)] == dropped
+    for j, i in enumerate(perm):
+        assert torch.equal(again[j]["input_ids"], shared[i]["input_ids"])
     # a group holds at most `capacity` tokens: any two of three fit here, not all three
     lengths = [len(s["input_ids"]) for s in samples[:3]]
     _, groups, dropped = share_prefixes(samples[:3], sum(lengths) - 11)
-    assert len(groups) == 1 and len(groups[0]) == 2 and sorted(dropped) == [0, 0, 5]
+    assert len(groups) == 1 and len(groups[0]) == 3 and sorted(dropped) == [0, 5, 5]
     # fewer than MIN_SHARED_TOKENS in common: no group
     short = [dict(s) for s in samples[:2]]
     short[1]["input_ids"] = torch.cat([short[0]["input_ids"][:3], short[1]["input_ids"][3:] + 1])
@@ -123,8 +134,8 @@ def test_prompts_behind_a_common_header_share_their_own_prompt():
     samples, order = headed_batch(4, 4)
     shared, groups, dropped = share_prefixes(samples, 4096)
     prompt_of = [o // 4 for o in order]
-    assert sorted(sorted(prompt_of[i] for i in g) for g in groups) == [[p] * 4 for p in range(4)]
-    assert sorted(dropped) == [0] * 4 + [49] * 12  # the whole 50-token prompt but its last token
+    assert sorted(sorted(prompt_of[i] for i in g[1:]) for g in groups) == [[p] * 4 for p in range(4)]
+    assert dropped == [49] * 16  # the whole 50-token prompt but its last token
 
     samples, _ = headed_batch(8, 4)
     shared, groups, _ = share_prefixes(samples, 4096, dp_size=4)
@@ -178,3 +189,21 @@ def test_a_ppo_step_with_shared_prompts_equals_one_without(assets, tmp_path):
     assert {"actor/loss", "actor/grad_norm", "critic/value_loss", "adv/kl_reward", "rollout/engine_kl"} <= set(keys)
     for k in keys:
         assert _close(on[k], off[k], 1e-7), f"{k}: shared {on[k]} vs {off[k]}"
+
+
+def test_strict_on_policy_holds_with_shared_prompts(assets, tmp_path):
+    """One-token responses, 8 per prompt: many samples are exact copies. The old log-probs (all
+    samples in rollout order) and the first update (a shuffled mini-batch) must compute every
+    sample the same way, or `strict_on_policy` sees a ratio != 1 (it did, 4.8e-6, when a
+    group's first sample was computed whole and the others as its tails: copies swapped roles)."""
+    from tests.run_utils import FIRST_WORD_ENV, run_trainer
+    from tests.vllm.conftest import tiny_vllm_model  # wide weights: distinct, peaked log-probs
+
+    (tmp_path / "env.py").write_text(FIRST_WORD_ENV)
+    model = tiny_vllm_model(assets["tokenizer"], str(tmp_path / "model"))
+    run_trainer("ppo", 1, [
+        f"actor.model_name={model}", f"data.train.path={assets['data']}/ppo_train.jsonl",
+        f"actor.rollout.env_path={tmp_path / 'env.py'}", "actor.lr=1e-3", "actor.rollout.max_length=128",
+        "actor.rollout.prompts_per_rollout=16", "actor.rollout.responses_per_prompt=8",
+        "actor.rollout.train_sampling_params.max_new_tokens=1", "trainer.total_steps=3",
+        "actor.strict_on_policy=true", "actor.share_prompt=true"], tmp_path / "run")

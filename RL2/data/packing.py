@@ -110,35 +110,51 @@ def shared_tail(first: dict, second: dict, start: int | None = None) -> dict:
 
 def share_prefixes(samples: list[dict], capacity: int,
                    dp_size: int = 1) -> tuple[list[dict], list[list[int]], list[int]]:
-    """Turn samples that share >= MIN_SHARED_TOKENS leading tokens (`shared_length`) with a root
-    into tails continuing it. Returns (samples, groups (root first), tokens dropped from each
-    sample).
+    """Group samples that begin with the same >= MIN_SHARED_TOKENS tokens (`shared_length`) and
+    compute those tokens once: each group gets one extra prefix-only sequence (appended after
+    the samples, index >= len(samples); its outputs are not any sample's), and every member,
+    the first included, becomes a tail continuing it. So a sample is computed the same way
+    whatever the order it comes in: the old log-probs (all samples) and the update (a shuffled
+    mini-batch) agree, which a root computed whole and its copies as tails would not (their
+    kernels differ in the last bits). Returns (samples + prefixes, groups (prefix first),
+    tokens each sample leaves to its prefix).
 
     Samples are visited in the lexicographic order of their input_ids, where the samples
     sharing most with one another are neighbours: one tuple sort and a comparison or two per
-    sample, not one per pair. A sample that shares more with the next one than with the
-    current root starts a group of its own: prompts behind a common chat header share their
-    own prompt, not just the header. A group holds at most `capacity` tokens, and with
-    dp_size > 1 at most a rank's share of the batch, so that groups can still be balanced over
-    the ranks. Deterministic: every rank gets the same result."""
-    out = [dict(s, position_ids=torch.arange(len(s["input_ids"]))) for s in samples]
-    dropped, groups = [0] * len(samples), []
+    sample, not one per pair. A group's members share the same number of tokens with its first;
+    a sample that shares more with the next one starts a group of its own (prompts behind a
+    common chat header share their whole prompt). A group holds at most `capacity` tokens, and
+    with dp_size > 1 at most a rank's share of the batch, so that groups still balance over the
+    ranks. Deterministic: every rank gets the same result."""
     order = sorted(range(len(samples)), key=lambda i: (samples[i]["input_ids"].tolist(), i))
     total_tokens = sum(len(s["input_ids"]) for s in samples)
     limit = capacity if dp_size <= 1 else min(capacity, -(-total_tokens // dp_size))
-    root, total = None, 0
+    runs = []  # [first, shared length (None until a second member), members, tokens]
     for k, i in enumerate(order):
         n = len(samples[i]["input_ids"])
-        length = shared_length(samples[root], samples[i]) if root is not None else 0
+        run = runs[-1] if runs else None
+        length = shared_length(samples[run[0]], samples[i]) if run else 0
         ahead = shared_length(samples[i], samples[order[k + 1]]) if k + 1 < len(order) else 0
-        if length < MIN_SHARED_TOKENS or ahead > length or total + n - length > limit:
-            root, total = i, n
-            groups.append([i])
+        p = length if run is None or run[1] is None else run[1]
+        tokens = (run[3] + n - length) if run else 0
+        if (run is None or length < MIN_SHARED_TOKENS or length != p or ahead > length
+                or tokens > limit):
+            runs.append([i, None, [i], n])
             continue
-        out[i], dropped[i] = shared_tail(samples[root], samples[i], length), length
-        groups[-1].append(i)
-        total += n - length
-    return out, [g for g in groups if len(g) > 1], dropped
+        run[1], run[3] = length, tokens
+        run[2].append(i)
+    out = [dict(s, position_ids=torch.arange(len(s["input_ids"]))) for s in samples]
+    dropped, groups = [0] * len(samples), []
+    for first, p, members, _ in runs:
+        if len(members) < 2:
+            continue
+        prefix = {k: v[:p] for k, v in samples[first].items()}
+        prefix["position_ids"] = torch.arange(p)
+        groups.append([len(out)] + members)
+        out.append(prefix)
+        for i in members:
+            out[i], dropped[i] = shared_tail(prefix, samples[i], p), p
+    return out, groups, dropped
 
 
 # ---------------------------------------------------------------- partition

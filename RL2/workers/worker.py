@@ -129,9 +129,10 @@ class Worker:
     # ----- batching -----
     def plan(self, samples: list[dict], groups: list[list[int]] | None = None) -> list[MicroBatch]:
         """This rank's packed micro-batches; the plan is made on rank 0 and broadcast so every
-        rank agrees on it even if tie-breaks differ. With `share_prompt` and no `groups`, a
-        sample that repeats an earlier one's first tokens (a GRPO group's prompt) is packed as a
-        tail continuing it (`packing.share_prefixes`); per-token outputs then cover the tail."""
+        rank agrees on it even if tie-breaks differ. With `share_prompt` and no `groups`, samples
+        that begin alike (a GRPO group's prompt) are packed as tails continuing one shared
+        prefix sequence (`packing.share_prefixes`; micro-batches then also hold those prefixes,
+        with action_mask 0); per-token outputs cover the tails."""
         if groups is None and self.share_prompt:
             samples, groups, _ = share_prefixes(samples, self.capacity, self.dims.dp)
         return self._plan(samples, groups)
@@ -196,15 +197,16 @@ class Worker:
         rank (micro-batches are spread over dp ranks, then gathered; `groups` as for `plan`)."""
         was_training = self.model.training
         self.model.eval()
-        dropped = None
-        if groups is None and self.share_prompt:  # as `plan`, then outputs at full length
+        n, dropped, local = len(samples), None, {}
+        if groups is None and self.share_prompt:  # as `plan`; outputs back at full length
             samples, groups, dropped = share_prefixes(samples, self.capacity, self.dims.dp)
-        local = {}
         for mb in self._plan(samples, groups):
             out = self.forward(mb, **kw)[key]
             for i, t in zip(mb.indices, unpack(mb, out, self.dims.sp_group)):
+                if i >= n:  # a shared prefix's own sequence (`share_prefixes`)
+                    continue
                 t = upcast(t.detach()).cpu()
-                if dropped and dropped[i]:  # taken from its root: nothing reads them (0 there)
+                if dropped and dropped[i]:  # left to its group's prefix: nothing reads them (0 there)
                     t = torch.cat([t.new_zeros(dropped[i], *t.shape[1:]), t])
                 local[i] = t
         if was_training:
@@ -218,7 +220,7 @@ class Worker:
         merged = {}
         for part in gather_objects(local):
             merged.update(part)
-        return [merged[i] for i in range(len(samples))]
+        return [merged[i] for i in range(n)]
 
     # ----- update -----
     def all_reduce_metric(self, value: float) -> float:

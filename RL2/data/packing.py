@@ -318,12 +318,13 @@ def pack(samples: list[dict], indices: list[int], sp_size: int = 1, sp_rank: int
         lengths = [1]
     keys = [k for k in keys if k != "position_ids"]
     parts = {k: [] for k in keys + ["position_ids"]}
-    local_lens, prefix_lens = [], []
+    local_lens, prefix_lens, root_len = [], [], None
     for j, (s, n) in enumerate(zip(seqs, lengths)):
         n_pad = padded_length(n, sp_size)
         padded = {k: torch.nn.functional.pad(s[k], (0, n_pad - n)) for k in keys}
-        start = _prefix_len(s, j, [n for n, p in zip(lengths, prefix_lens) if p == 0], sp_size, indices)
+        start = _prefix_len(s, j, root_len, sp_size, indices)
         prefix_lens.append(start)
+        root_len = n if start == 0 else root_len
         padded["position_ids"] = torch.arange(start, start + n_pad, dtype=torch.long)
         for k, v in padded.items():
             parts[k].append(_zigzag(v, sp_size, sp_rank) if sp_size > 1 else v)
@@ -336,9 +337,10 @@ def pack(samples: list[dict], indices: list[int], sp_size: int = 1, sp_rank: int
                       lengths if real else [], prefix_lens if any(prefix_lens) else [])
 
 
-def _prefix_len(sample: dict, j: int, root_lengths: list[int], sp_size: int, indices: list[int]) -> int:
+def _prefix_len(sample: dict, j: int, root_len: int | None, sp_size: int, indices: list[int]) -> int:
     """Where a sample's own position_ids start (0 without them): the leading tokens of the last
-    sample before it that starts at 0 (its root; `root_lengths` of those so far) it continues."""
+    sample before it that starts at 0 (its root, of `root_len` tokens; None: no root yet) it
+    continues."""
     pos = sample.get("position_ids")
     if pos is None:
         return 0
@@ -348,9 +350,9 @@ def _prefix_len(sample: dict, j: int, root_lengths: list[int], sp_size: int, ind
     if start and sp_size > 1:
         raise ValueError(f"sample {indices[j]} continues another sample (position_ids from "
                          f"{start}), which sp_size={sp_size} cannot split")
-    if start and (not root_lengths or root_lengths[-1] < start):
+    if start and (root_len is None or root_len < start):
         raise ValueError(f"sample {indices[j]} continues the first {start} tokens of the last sample "
-                         f"before it that starts at 0, but {'none is' if not root_lengths else 'that one has fewer'}")
+                         f"before it that starts at 0, but {'none is' if root_len is None else 'that one has fewer'}")
     return start
 
 

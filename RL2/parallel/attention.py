@@ -63,11 +63,12 @@ class PackedContext:
             self._bounds = [int(b) for b in self.cu_seqlens.tolist()]
         return self._bounds
 
-    def keys(self, device) -> tuple[torch.Tensor, list[int], torch.Tensor]:
-        """With `prefix_lens`: (index, key bounds, key cu_seqlens). The index lists the row
-        positions each sequence attends to, sequence after sequence (its root's first p
-        tokens, then its own); key bounds say where each sequence's keys start and end in it
-        (also as an int32 tensor for flash-attn). Built once per micro-batch, not per layer."""
+    def keys(self, device) -> tuple[torch.Tensor, list[int], torch.Tensor, int]:
+        """With `prefix_lens`: (index, key bounds, key cu_seqlens, longest key run). The index
+        lists the row positions each sequence attends to, sequence after sequence (its root's
+        first p tokens, then its own); key bounds say where each sequence's keys start and end
+        in it (also as an int32 tensor for flash-attn, with the most keys of a sequence). Built
+        once per micro-batch, not per layer."""
         if self._keys is None:
             b, idx, cu_k, root = self.bounds, [], [0], None
             if len(self.prefix_lens) != len(b) - 1:
@@ -83,7 +84,8 @@ class PackedContext:
                 idx.append(torch.arange(b[j], b[j + 1]))
                 cu_k.append(cu_k[-1] + p + b[j + 1] - b[j])
             self._keys = (torch.cat(idx).to(device), cu_k,
-                          torch.tensor(cu_k, dtype=torch.int32, device=device))
+                          torch.tensor(cu_k, dtype=torch.int32, device=device),
+                          max(e - s for s, e in zip(cu_k[:-1], cu_k[1:])))
         return self._keys
 
 
@@ -193,16 +195,15 @@ def packed_attention_forward(
         max_k = ctx.max_seqlen
         if ctx.prefix_lens:  # gathered keys; flash-attn aligns a causal mask with fewer queries
             # than keys to the bottom right (flash_attn_varlen_func's docstring, 2.8.3)
-            index, bounds_k, cu_k = ctx.keys(q.device)
+            index, _, cu_k, max_k = ctx.keys(q.device)
             k, v = k.index_select(0, index), v.index_select(0, index)
-            max_k = max(e - s for s, e in zip(bounds_k[:-1], bounds_k[1:]))
         out = flash(q, k, v, cu, cu_k, ctx.max_seqlen, max_k, dropout_p=dropout,
                     softmax_scale=scaling, causal=True)
         return out[None], None
     if ctx.prefix_lens:
-        index, bounds_k, _ = ctx.keys(query.device)
-        return _causal_with_prefixes(query, key.index_select(2, index), value.index_select(2, index),
-                                     ctx.bounds, bounds_k, scaling, dropout), None
+        index, bounds_k, _, _ = ctx.keys(query.device)
+        return _causal_per_sequence(query, key.index_select(2, index), value.index_select(2, index),
+                                    ctx.bounds, scaling, dropout, bounds_k), None
     if getattr(module, "rl2_fused_attention", False) and not dropout:
         from RL2.utils import cpu_ops  # actor.cpu_fused_ops marked the module (fp32 CPU, C kernel)
 
@@ -281,29 +282,16 @@ def _flash_varlen():
     return flash_attn_varlen_func
 
 
-def _causal_per_sequence(query, key, value, bounds, scaling, dropout) -> torch.Tensor:
+def _causal_per_sequence(query, key, value, bounds, scaling, dropout, bounds_k=None) -> torch.Tensor:
     """Causal SDPA over each [start, end) slice of the row (bounds from 0 to T); exact, and no
     T x T mask. The row is cut with one `split` per tensor, not a slice per sequence: backward
     then joins the pieces' gradients once, where per-sequence slices each allocated and summed
     a gradient of the whole row (n sequences: n x the row's size per layer; benchmarks/README.md,
-    fix 20)."""
+    fix 20). `bounds_k`: the keys are gathered (`PackedContext.keys`) and a sequence with more
+    keys than queries sees all of its prefix and its own tokens causally (a bottom-right mask)."""
     gqa = query.shape[1] != key.shape[1]
     sizes = [e - s for s, e in zip(bounds[:-1], bounds[1:])]
-    pieces = zip(*(x.split(sizes, dim=2) for x in (query, key, value)))
-    outs = [
-        F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, dropout_p=dropout,
-                                       enable_gqa=gqa)
-        for q, k, v in pieces if q.shape[2]
-    ]
-    return torch.cat(outs, dim=2).transpose(1, 2)
-
-
-def _causal_with_prefixes(query, key, value, bounds, bounds_k, scaling, dropout) -> torch.Tensor:
-    """SDPA per sequence over gathered keys (`PackedContext.keys`): a sequence with more keys
-    than queries sees all of its prefix and its own tokens causally (a bottom-right mask)."""
-    gqa = query.shape[1] != key.shape[1]
-    sizes = [e - s for s, e in zip(bounds[:-1], bounds[1:])]
-    sizes_k = [e - s for s, e in zip(bounds_k[:-1], bounds_k[1:])]
+    sizes_k = sizes if bounds_k is None else [e - s for s, e in zip(bounds_k[:-1], bounds_k[1:])]
     outs = []
     for q, k, v in zip(query.split(sizes, dim=2), key.split(sizes_k, dim=2), value.split(sizes_k, dim=2)):
         n, m = q.shape[2], k.shape[2]

@@ -133,9 +133,13 @@ class Worker:
         that begin alike (a GRPO group's prompt) are packed as tails continuing one shared
         prefix sequence (`packing.share_prefixes`; micro-batches then also hold those prefixes,
         with action_mask 0); per-token outputs cover the tails."""
+        return self._plan(*self._layout(samples, groups)[:2])
+
+    def _layout(self, samples: list[dict], groups: list[list[int]] | None):
+        """(samples, groups, tokens each sample leaves to a shared prefix or None) as packed."""
         if groups is None and self.share_prompt:
-            samples, groups, _ = share_prefixes(samples, self.capacity, self.dims.dp)
-        return self._plan(samples, groups)
+            return share_prefixes(samples, self.capacity, self.dims.dp)
+        return samples, groups, None
 
     def _plan(self, samples: list[dict], groups: list[list[int]] | None) -> list[MicroBatch]:
         lengths = [len(s["input_ids"]) for s in samples]
@@ -197,9 +201,8 @@ class Worker:
         rank (micro-batches are spread over dp ranks, then gathered; `groups` as for `plan`)."""
         was_training = self.model.training
         self.model.eval()
-        n, dropped, local = len(samples), None, {}
-        if groups is None and self.share_prompt:  # as `plan`; outputs back at full length
-            samples, groups, dropped = share_prefixes(samples, self.capacity, self.dims.dp)
+        n, local = len(samples), {}
+        samples, groups, dropped = self._layout(samples, groups)  # outputs back at full length
         for mb in self._plan(samples, groups):
             out = self.forward(mb, **kw)[key]
             for i, t in zip(mb.indices, unpack(mb, out, self.dims.sp_group)):

@@ -8,7 +8,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
 
 from RL2.utils import cpu_ops, small_gemm
-from tests.run_utils import assert_close, run_trainer, sft_args, train_rows
+from tests.run_utils import assert_close, dpo_args, run_trainer, sft_args, train_rows
 
 needs_kernel = pytest.mark.skipif(not small_gemm.available(), reason="RL2's AVX-512 kernel not built here")
 
@@ -161,11 +161,16 @@ def test_switching_leaves_the_global_generator_and_rejects_what_it_cannot_take()
         dx.sum().backward()
 
 
-def _sdpa(q, k, v, bounds, scale):
-    """The reference: SDPA per sequence, (1, T, H, D)."""
-    return torch.cat([F.scaled_dot_product_attention(
-        q[:, :, s:e], k[:, :, s:e], v[:, :, s:e], is_causal=True, scale=scale,
-        enable_gqa=q.shape[1] != k.shape[1]) for s, e in zip(bounds, bounds[1:])], 2).transpose(1, 2)
+def _sdpa(q, k, v, bounds, scale, kbounds=None):
+    """The reference: SDPA per sequence, (1, T, H, D); with `kbounds`, each sequence's keys
+    there, the causal mask aligned bottom-right (a mask built here, not SDPA's is_causal)."""
+    outs = []
+    for s, e, ks, ke in zip(bounds, bounds[1:], kbounds or bounds, (kbounds or bounds)[1:]):
+        mask = torch.ones(e - s, ke - ks, dtype=torch.bool).tril(ke - ks - (e - s))
+        outs.append(F.scaled_dot_product_attention(
+            q[:, :, s:e], k[:, :, ks:ke], v[:, :, ks:ke], attn_mask=mask, scale=scale,
+            enable_gqa=q.shape[1] != k.shape[1]))
+    return torch.cat(outs, 2).transpose(1, 2)
 
 
 @needs_kernel
@@ -200,6 +205,38 @@ def test_attention_and_its_gradients_match_sdpa(heads, kv_heads, d, lengths):
         assert (kernel - exact).abs().max() <= 1.5 * (sdpa32 - exact).abs().max() + 1e-6
 
 
+@needs_kernel
+@pytest.mark.parametrize("heads,kv_heads,d,pairs", [
+    (8, 4, 64, [(145, 145), (144, 208), (100, 100), (99, 162)]),  # DPO pairs: tails see 63 / 62 more
+    (9, 3, 64, [(1, 1), (1, 2), (30, 61), (5, 40), (12, 12)]),  # one-token tails, panel edges
+    (4, 4, 128, [(64, 96), (33, 33)])])
+def test_attention_over_gathered_keys_matches_sdpa(heads, kv_heads, d, pairs):
+    """Shared prompts: sequence i has L queries and M >= L gathered keys (its root's prefix,
+    then its own), the causal mask aligned bottom-right. Values and the gradients of q, k and v
+    against float64 SDPA with that mask, within fp32 rounding as above."""
+    g = torch.Generator().manual_seed(heads + d)
+    bounds, kbounds = [0], [0]
+    for n, m in pairs:
+        bounds.append(bounds[-1] + n)
+        kbounds.append(kbounds[-1] + m)
+    q = (torch.randn(1, bounds[-1], heads, d, generator=g) * 2).transpose(1, 2)
+    k, v = ((torch.randn(1, kbounds[-1], kv_heads, d, generator=g) * 2).transpose(1, 2)
+            for _ in range(2))
+    grad = torch.randn(1, bounds[-1], heads, d, generator=g)
+    scale = 1.3 * d ** -0.5
+    results = []
+    for dtype in (torch.float64, torch.float32, None):  # None: the kernel
+        leaves = [x.detach().to(dtype or torch.float32).requires_grad_() for x in (q, k, v)]
+        out = (_sdpa(*leaves, bounds, scale, kbounds) if dtype else
+               cpu_ops.causal_attention(*leaves, bounds, scale, kbounds))
+        out.backward(grad.to(out.dtype))
+        results.append([out.double()] + [x.grad.double() for x in leaves])
+    for exact, sdpa32, kernel in zip(*results):
+        assert (kernel - exact).abs().max() <= 1.5 * (sdpa32 - exact).abs().max() + 1e-6
+    with pytest.raises(ValueError, match="no fewer keys"):  # a sequence with fewer keys than queries
+        cpu_ops.causal_attention(q, k, v, bounds, scale, [0] + kbounds[2:] + [kbounds[-1]])
+
+
 def _attention_model(seed: int = 0) -> Qwen2ForCausalLM:
     """Head dim 64 (the kernel's), 4 query heads on 2 KV heads, RL2's packed attention."""
     from RL2.parallel.attention import register
@@ -211,9 +248,11 @@ def _attention_model(seed: int = 0) -> Qwen2ForCausalLM:
 
 
 @needs_kernel
-def test_a_models_packed_attention_goes_through_the_kernel(monkeypatch):
+@pytest.mark.parametrize("prefix_lens", [None, [0, 0, 12, 30]])
+def test_a_models_packed_attention_goes_through_the_kernel(monkeypatch, prefix_lens):
     """use_attention marks the attention modules; a packed forward then runs each layer's
-    attention in the kernel (counted), with the logits and every gradient of the SDPA path."""
+    attention in the kernel (counted), with the logits and every gradient of the SDPA path;
+    also with shared prompts (two tails continuing 12 and 30 tokens of their root)."""
     from RL2.parallel.attention import PackedContext, packed_kwargs
 
     ref, model = _attention_model(), _attention_model()
@@ -222,11 +261,14 @@ def test_a_models_packed_attention_goes_through_the_kernel(monkeypatch):
     apply = cpu_ops.CausalAttentionFunction.apply
     monkeypatch.setattr(cpu_ops.CausalAttentionFunction, "apply", lambda *a: calls.append(1) or apply(*a))
     bounds = [0, 30, 31, 70]
-    ids = torch.randint(0, 300, (1, 70), generator=torch.Generator().manual_seed(1))
-    pos = torch.cat([torch.arange(e - s) for s, e in zip(bounds, bounds[1:])])[None]
+    if prefix_lens:  # a root of 40 tokens, then the two tails
+        bounds = [0, 1, 41, 50, 70]
+    ids = torch.randint(0, 300, (1, bounds[-1]), generator=torch.Generator().manual_seed(1))
+    pos = torch.cat([torch.arange(e - s) + (p if prefix_lens else 0) for s, e, p in
+                     zip(bounds, bounds[1:], prefix_lens or [0] * len(bounds))])[None]
     outs = []
     for m in (ref, model):
-        ctx = PackedContext(torch.tensor(bounds, dtype=torch.int32), 40)
+        ctx = PackedContext(torch.tensor(bounds, dtype=torch.int32), 40, prefix_lens=prefix_lens)
         out = m(input_ids=ids, position_ids=pos, use_cache=False, **packed_kwargs(ctx)).logits
         out.pow(2).mean().backward()
         outs.append(out.detach())
@@ -267,6 +309,27 @@ def test_sft_with_head_dim_64_matches_sdpa_attention(assets, tmp_path, sp):
         runs[fused] = d
         assert ("2 attentions and 2 rotary embeddings through" in run.stderr) == (fused == "true")
     for key in ("train/loss", "train/grad_norm", "test/loss"):
+        assert_close(train_rows(runs["true"], key), train_rows(runs["false"], key), 1e-5, key)
+
+
+@needs_kernel
+def test_dpo_shared_prompts_through_the_kernel_match_whole_pairs(assets, tmp_path):
+    """With 64-wide heads the kernel also takes shared prompts (a rejected side's queries over
+    its gathered keys): a DPO run sharing each pair's prompt matches one computing whole pairs
+    (both through the kernel), losses and gradient norms within fp32 rounding."""
+    from RL2.tools.make_assets import build_tiny_model
+
+    model = str(tmp_path / "model")
+    build_tiny_model(model, assets["tokenizer"], "qwen2", hidden=128, layers=2, heads=2, kv_heads=1,
+                     intermediate=64)
+    runs = {}
+    for share in ("true", "false"):
+        runs[share] = tmp_path / share
+        run = run_trainer("dpo", 1, dpo_args(assets, "actor.dtype=float32", f"actor.model_name={model}",
+                                             "actor.cpu_fused_ops=true", f"actor.share_prompt={share}"),
+                          runs[share])
+        assert "2 attentions and 2 rotary embeddings through" in run.stderr
+    for key in ("train/loss", "train/grad_norm"):
         assert_close(train_rows(runs["true"], key), train_rows(runs["false"], key), 1e-5, key)
 
 

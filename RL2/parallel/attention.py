@@ -8,8 +8,8 @@ state is needed. The registered mask function returns None for the plain causal 
 builds a T x T mask; the attention function then runs causal attention inside every packed
 sequence (CPU: SDPA per sequence, or RL2's C kernel for modules `cpu_ops.use_attention` marked;
 CUDA fp16/bf16: flash-attn varlen if installed; with an sp group: zig-zag ring attention). A
-sequence may also continue the prefix of an earlier one (shared prompts: SDPA or flash-attn over
-gathered keys). Without a context (generate, padded batches) it behaves like HF "sdpa".
+sequence may also continue the prefix of an earlier one (shared prompts: the same kernels over
+gathered keys, with a bottom-right causal mask). Without a context (generate, padded batches) it behaves like HF "sdpa".
 """
 from __future__ import annotations
 
@@ -200,16 +200,16 @@ def packed_attention_forward(
         out = flash(q, k, v, cu, cu_k, ctx.max_seqlen, max_k, dropout_p=dropout,
                     softmax_scale=scaling, causal=True)
         return out[None], None
+    bounds_k = None
     if ctx.prefix_lens:
         index, bounds_k, _, _ = ctx.keys(query.device)
-        return _causal_per_sequence(query, key.index_select(2, index), value.index_select(2, index),
-                                    ctx.bounds, scaling, dropout, bounds_k), None
+        key, value = key.index_select(2, index), value.index_select(2, index)
     if getattr(module, "rl2_fused_attention", False) and not dropout:
         from RL2.utils import cpu_ops  # actor.cpu_fused_ops marked the module (fp32 CPU, C kernel)
 
-        if cpu_ops.attention_takes(query, key, value):
-            return cpu_ops.causal_attention(query, key, value, ctx.bounds, scaling), None
-    return _causal_per_sequence(query, key, value, ctx.bounds, scaling, dropout), None
+        if cpu_ops.attention_takes(query, key, value, gathered=bounds_k is not None):
+            return cpu_ops.causal_attention(query, key, value, ctx.bounds, scaling, bounds_k), None
+    return _causal_per_sequence(query, key, value, ctx.bounds, scaling, dropout, bounds_k), None
 
 
 def flash_supported(q) -> bool:

@@ -205,17 +205,19 @@ def use_for_model(model: torch.nn.Module) -> tuple[int, int]:
 
 
 # ----- attention -----
-def _attention_items(bounds: list[int], heads: int) -> torch.Tensor:
-    """The kernel's work items (query head, sequence), longest sequences first: the dynamic
-    schedule then ends on short items, whichever thread takes them."""
+def _attention_items(bounds: list[int], kbounds: list[int], heads: int) -> torch.Tensor:
+    """The kernel's work items (query head, sequence), the most work (query x key pairs)
+    first: the dynamic schedule then ends on small items, whichever thread takes them."""
     n = len(bounds) - 1
-    order = sorted(range(n), key=lambda s: bounds[s] - bounds[s + 1])
+    work = [(bounds[s + 1] - bounds[s]) * (2 * (kbounds[s + 1] - kbounds[s]) - bounds[s + 1] + bounds[s])
+            for s in range(n)]
+    order = sorted(range(n), key=lambda s: -work[s])
     return torch.tensor([h * n + s for s in order for h in range(heads)], dtype=torch.int64)
 
 
-def _panel_floats(bounds: list[int], d: int) -> int:
-    """Floats of one sequence's packed keys: the longest, rounded up to the kernel's 32-key panels."""
-    longest = max(b - a for a, b in zip(bounds, bounds[1:]))
+def _panel_floats(kbounds: list[int], d: int) -> int:
+    """Floats of one sequence's packed keys: the most keys, rounded up to the kernel's 32-key panels."""
+    longest = max(b - a for a, b in zip(kbounds, kbounds[1:]))
     return -(-longest // 32) * 32 * d
 
 
@@ -228,94 +230,116 @@ def _kernel_views(q3, k3, v3):
 
 
 def attention_forward(q3: torch.Tensor, k3: torch.Tensor, v3: torch.Tensor, bounds: list[int],
-                      scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                      scale: float, kbounds: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernel's causal attention inside each [start, end) of `bounds` (0 to T): q3 (H, T, D),
-    k3 and v3 (KH, T, D) views with D contiguous -> out (T, H, D) and its log-sum-exp (H, T)."""
+    k3 and v3 (KH, TK, D) views with D contiguous -> out (T, H, D) and its log-sum-exp (H, T).
+    `kbounds` (0 to TK; default `bounds`): each sequence's keys, at least as many as its queries;
+    with more, the causal mask is aligned to the bottom right (a shared prompt's gathered keys)."""
     lib = small_gemm.load()[0]
     q3, k3, v3 = _kernel_views(q3, k3, v3)
     (heads, T, D), kv_heads = q3.shape, k3.shape[0]
-    b, items = torch.tensor(bounds, dtype=torch.int64), _attention_items(bounds, heads)
+    kbounds = bounds if kbounds is None else kbounds
+    b, kb = (torch.tensor(x, dtype=torch.int64) for x in (bounds, kbounds))
+    items = _attention_items(bounds, kbounds, heads)
     out, lse = q3.new_empty(T, heads, D), q3.new_empty(heads, T)
     # no more threads than work items: each thread gets scratch for the longest sequence
-    threads, cap = min(torch.get_num_threads(), items.numel()), _panel_floats(bounds, D)
+    threads, cap = min(torch.get_num_threads(), items.numel()), _panel_floats(kbounds, D)
     scratch = q3.new_empty(threads * cap)
     lib.rl2_attn_fwd(q3.data_ptr(), q3.stride(0), q3.stride(1), k3.data_ptr(), v3.data_ptr(),
-                     k3.stride(0), k3.stride(1), heads, kv_heads, D, T, b.data_ptr(),
+                     k3.stride(0), k3.stride(1), heads, kv_heads, D, T, b.data_ptr(), kb.data_ptr(),
                      items.data_ptr(), items.numel(), float(scale), scratch.data_ptr(), cap,
                      out.data_ptr(), lse.data_ptr(), threads)
     return out, lse
 
 
 def attention_backward(dout: torch.Tensor, q3: torch.Tensor, k3: torch.Tensor, v3: torch.Tensor,
-                       out: torch.Tensor, lse: torch.Tensor, bounds: list[int], scale: float):
-    """dq (T, H, D), dk and dv (T, KH, D) of `attention_forward`'s inputs for dout (T, H, D),
+                       out: torch.Tensor, lse: torch.Tensor, bounds: list[int], scale: float,
+                       kbounds: list[int] | None = None):
+    """dq (T, H, D), dk and dv (TK, KH, D) of `attention_forward`'s inputs for dout (T, H, D),
     given the out and lse the softmax is normalised with: its own, or a ring's final ones (then
     these are this block's shares, as in flash-attention's backward)."""
     lib = small_gemm.load()[0]
     q3, k3, v3 = _kernel_views(q3, k3, v3)
-    (heads, T, D), kv_heads = q3.shape, k3.shape[0]
-    b, items = torch.tensor(bounds, dtype=torch.int64), _attention_items(bounds, heads)
+    (heads, T, D), (kv_heads, TK) = q3.shape, k3.shape[:2]
+    kbounds = bounds if kbounds is None else kbounds
+    b, kb = (torch.tensor(x, dtype=torch.int64) for x in (bounds, kbounds))
+    items = _attention_items(bounds, kbounds, heads)
     groups, threads = heads // kv_heads, min(torch.get_num_threads(), items.numel())
-    cap = _panel_floats(bounds, D)
+    cap = _panel_floats(kbounds, D)
     dout, out, lse = dout.contiguous(), out.contiguous(), lse.contiguous()
     dq = q3.new_empty(T, heads, D)
-    dk_part, dv_part = (q3.new_empty(groups, T, kv_heads, D) for _ in range(2))
+    dk_part, dv_part = (q3.new_empty(groups, TK, kv_heads, D) for _ in range(2))
     scratch = q3.new_empty(threads * 4 * cap)
     lib.rl2_attn_bwd(q3.data_ptr(), q3.stride(0), q3.stride(1), k3.data_ptr(), v3.data_ptr(),
                      k3.stride(0), k3.stride(1), out.data_ptr(), dout.data_ptr(), lse.data_ptr(),
-                     heads, kv_heads, D, T, b.data_ptr(), items.data_ptr(), items.numel(),
-                     float(scale), scratch.data_ptr(), cap, dq.data_ptr(), dk_part.data_ptr(),
-                     dv_part.data_ptr(), threads)
+                     heads, kv_heads, D, T, TK, b.data_ptr(), kb.data_ptr(), items.data_ptr(),
+                     items.numel(), float(scale), scratch.data_ptr(), cap, dq.data_ptr(),
+                     dk_part.data_ptr(), dv_part.data_ptr(), threads)
     if groups == 1:
         return dq, dk_part[0], dv_part[0]
     # each query head of a group added its share: sum them in head order
-    dk, dv = (q3.new_empty(T, kv_heads, D) for _ in range(2))
+    dk, dv = (q3.new_empty(TK, kv_heads, D) for _ in range(2))
     for part, dst in ((dk_part, dk), (dv_part, dv)):
         lib.rl2_attn_sum(part.data_ptr(), groups, dst.numel(), dst.data_ptr(), threads)
     return dq, dk, dv
 
 
 class CausalAttentionFunction(torch.autograd.Function):
-    """softmax(scale q k^T) v, causal inside each [start, end) of `bounds`, in the kernel
-    (rl2_attn_fwd / rl2_attn_bwd); q (1, H, T, D), k and v (1, KH, T, D) -> (1, T, H, D)."""
+    """softmax(scale q k^T) v, causal inside each [start, end) of `bounds` (keys: `kbounds`,
+    bottom-right aligned), in the kernel (rl2_attn_fwd / rl2_attn_bwd); q (1, H, T, D), k and v
+    (1, KH, TK, D) -> (1, T, H, D)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, bounds, scale):
+    def forward(ctx, q, k, v, bounds, scale, kbounds=None):
         # the views the kernel reads, made once: the backward reuses them
         q3, k3, v3 = _kernel_views(*(t[0].detach() for t in (q, k, v)))
-        out, lse = attention_forward(q3, k3, v3, bounds, scale)
+        out, lse = attention_forward(q3, k3, v3, bounds, scale, kbounds)
         ctx.save_for_backward(q3, k3, v3, out, lse)
-        ctx.bounds, ctx.scale = bounds, float(scale)
+        ctx.bounds, ctx.scale, ctx.kbounds = bounds, float(scale), kbounds
         return out[None]
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad: torch.Tensor):
         q3, k3, v3, out, lse = ctx.saved_tensors
-        dq, dk, dv = attention_backward(grad[0], q3, k3, v3, out, lse, ctx.bounds, ctx.scale)
+        dq, dk, dv = attention_backward(grad[0], q3, k3, v3, out, lse, ctx.bounds, ctx.scale,
+                                        ctx.kbounds)
         return (dq.transpose(0, 1)[None], dk.transpose(0, 1)[None], dv.transpose(0, 1)[None],
-                None, None)
+                None, None, None)
 
 
-def attention_takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """fp32 CPU (1, H, T, D) / (1, KH, T, D) tensors with D 64 or 128 and H a multiple of KH."""
+def attention_takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gathered: bool = False) -> bool:
+    """fp32 CPU (1, H, T, D) / (1, KH, T, D) tensors with D 64 or 128 and H a multiple of KH
+    (`gathered`: keys and values of any length TK)."""
     return (_plain(q, k, v) and q.dim() == 4 and q.shape[0] == 1 and k.shape == v.shape
-            and k.dim() == 4 and k.shape[0] == 1 and k.shape[2] == q.shape[2]
+            and k.dim() == 4 and k.shape[0] == 1 and (gathered or k.shape[2] == q.shape[2])
             and q.shape[3] == k.shape[3] in (64, 128) and k.shape[1] > 0
             and q.shape[1] % k.shape[1] == 0 and q.shape[2] > 0 and small_gemm.available())
 
 
+def _rising(bounds: list[int], end: int) -> bool:
+    return bounds[0] == 0 and bounds[-1] == end and all(a <= b for a, b in zip(bounds, bounds[1:]))
+
+
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: list[int],
-                     scale: float) -> torch.Tensor:
+                     scale: float, kbounds: list[int] | None = None) -> torch.Tensor:
     """Causal attention inside each [bounds[i], bounds[i + 1]) of a packed row through the
-    kernel (`attention_takes` tensors); returns (1, T, H, D) as HF's attention functions do."""
-    if not attention_takes(q, k, v):
+    kernel (`attention_takes` tensors); returns (1, T, H, D) as HF's attention functions do.
+    `kbounds`: k and v are gathered keys (`PackedContext.keys`), sequence i's in
+    [kbounds[i], kbounds[i + 1]), no fewer than its queries; its mask is aligned bottom-right."""
+    if not attention_takes(q, k, v, gathered=kbounds is not None):
         raise ValueError(f"causal_attention: fp32 CPU q (1, H, T, D) and k, v (1, KH, T, D), D 64 "
                          f"or 128, H a multiple of KH, and the kernel (got {q.dtype} "
                          f"{tuple(q.shape)}, {k.dtype} {tuple(k.shape)}, {tuple(v.shape)})")
-    if bounds[0] != 0 or bounds[-1] != q.shape[2] or any(a > b for a, b in zip(bounds, bounds[1:])):
+    if not _rising(bounds, q.shape[2]):
         raise ValueError(f"causal_attention: bounds must rise from 0 to {q.shape[2]}, got {bounds}")
-    return CausalAttentionFunction.apply(q, k, v, list(bounds), scale)
+    if kbounds is not None:
+        if len(kbounds) != len(bounds) or not _rising(kbounds, k.shape[2]) or any(
+                kb - ka < b - a for a, b, ka, kb in zip(bounds, bounds[1:], kbounds, kbounds[1:])):
+            raise ValueError(f"causal_attention: key bounds must rise from 0 to {k.shape[2]} with "
+                             f"no fewer keys than queries per sequence, got {kbounds} for {bounds}")
+        kbounds = list(kbounds)
+    return CausalAttentionFunction.apply(q, k, v, list(bounds), scale, kbounds)
 
 
 @lru_cache(maxsize=None)
@@ -324,16 +348,24 @@ def _attention_agrees() -> bool:
     import torch.nn.functional as F
 
     g = torch.Generator().manual_seed(0)
-    for heads, kv_heads, d, bounds in ((4, 2, 64, [0, 1, 20, 57]), (2, 2, 128, [0, 40])):
-        t = bounds[-1]
-        q, k, v = (torch.randn(1, n, t, d, generator=g) for n in (heads, kv_heads, kv_heads))
+    # the last case: gathered keys of a shared prompt (a tail seeing 15 more keys than queries)
+    for heads, kv_heads, d, bounds, kbounds in ((4, 2, 64, [0, 1, 20, 57], None),
+                                               (2, 2, 128, [0, 40], None),
+                                               (4, 2, 64, [0, 20, 37], [0, 20, 52])):
+        kb = kbounds or bounds
+        q = torch.randn(1, heads, bounds[-1], d, generator=g)
+        k, v = (torch.randn(1, kv_heads, kb[-1], d, generator=g) for _ in range(2))
 
         def sdpa(q, k, v):
             return torch.cat([F.scaled_dot_product_attention(
-                q[:, :, s:e], k[:, :, s:e], v[:, :, s:e], is_causal=True, scale=0.1,
-                enable_gqa=heads != kv_heads) for s, e in zip(bounds, bounds[1:])], 2).transpose(1, 2)
+                q[:, :, s:e], k[:, :, ks:ke], v[:, :, ks:ke], scale=0.1, enable_gqa=heads != kv_heads,
+                attn_mask=torch.ones(e - s, ke - ks, dtype=torch.bool).tril(ke - ks - e + s))
+                for s, e, ks, ke in zip(bounds, bounds[1:], kb, kb[1:])], 2).transpose(1, 2)
 
-        if not _agrees(sdpa, lambda q, k, v: causal_attention(q, k, v, bounds, 0.1), [q, k, v], []):
+        def kernel(q, k, v):
+            return causal_attention(q, k, v, bounds, 0.1, kbounds)
+
+        if not _agrees(sdpa, kernel, [q, k, v], []):
             return False
     return True
 

@@ -591,7 +591,10 @@ void rl2_glu_bwd(const float* g, const float* u, const float* dh, int64_t n, flo
  * dk, dv: (t, kh, d) contiguous. Work items are (query head, sequence) pairs, handed out
  * dynamically in the caller's order (longest first). scratch: per thread, the packed keys (and,
  * backward, values and the dK / dV sums) of one sequence, `cap` floats each (the longest
- * sequence rounded up to 32 keys, times D). */
+ * sequence rounded up to 32 keys, times D). kbounds: where each sequence's keys lie in k and v
+ * (`bounds` itself, or gathered keys of a shared prompt, TK rows): a sequence of L queries and
+ * M >= L keys aligns its causal mask to the bottom right, so query row i sees keys 0..M-L+i
+ * (flash-attention's rule for fewer queries than keys). */
 #define QB ROWS /* query rows per block: the panel pass's 12 */
 #define KP 32   /* keys per panel: two strips */
 
@@ -653,7 +656,7 @@ typedef void (*update_fn)(const float*, int64_t, int64_t, const float*, int64_t,
 
 void rl2_attn_fwd(const float* q, int64_t q_sh, int64_t q_st, const float* k, const float* v,
                   int64_t kv_sh, int64_t kv_st, int64_t H, int64_t KH, int64_t D, int64_t T,
-                  const int64_t* bounds, const int64_t* items, int64_t n_items, float scale,
+                  const int64_t* bounds, const int64_t* kbounds, const int64_t* items, int64_t n_items, float scale,
                   float* scratch, int64_t cap, float* out, float* lse, int threads) {
   update_fn update = D == 64 ? rank_update_64 : rank_update_128;
   int64_t n_seq = n_items / H, G = H / KH;
@@ -664,23 +667,24 @@ void rl2_attn_fwd(const float* q, int64_t q_sh, int64_t q_st, const float* k, co
 #pragma omp for schedule(dynamic, 1)
     for (int64_t it = 0; it < n_items; it++) {
       int64_t h = items[it] / n_seq, sq = items[it] % n_seq, kh = h / G;
-      int64_t s = bounds[sq], L = bounds[sq + 1] - s, np = (L + KP - 1) / KP;
+      int64_t s = bounds[sq], L = bounds[sq + 1] - s, ks = kbounds[sq], M = kbounds[sq + 1] - ks;
+      int64_t off = M - L, np = (M + KP - 1) / KP; /* row i sees keys up to off + i */
       if (L <= 0) continue;
-      const float *kb = k + kh * kv_sh + s * kv_st, *vb = v + kh * kv_sh + s * kv_st;
+      const float *kb = k + kh * kv_sh + ks * kv_st, *vb = v + kh * kv_sh + ks * kv_st;
       for (int64_t p = 0; p < np; p++)
-        pack_panel(kb, kv_st, p * KP, L - p * KP < KP ? L - p * KP : KP, D, panels + p * KP * D);
+        pack_panel(kb, kv_st, p * KP, M - p * KP < KP ? M - p * KP : KP, D, panels + p * KP * D);
       for (int64_t i0 = 0; i0 < L; i0 += QB) {
         int64_t R = L - i0 < QB ? L - i0 : QB;
         load_rows(q + h * q_sh + s * q_st, q_st, i0, R, D, scale, Qb);
         for (int64_t r = 0; r < QB; r++) { m[r] = -INFINITY; l[r] = 0.0f; }
         for (int64_t x = 0; x < QB * D; x++) Ob[x] = 0.0f;
-        int64_t last = i0 + R - 1; /* the block's last row: keys up to it */
+        int64_t last = off + i0 + R - 1; /* the block's last row: keys up to it */
         for (int64_t p = 0; p * KP <= last; p++) {
           int64_t j0 = p * KP, n = last + 1 - j0 < KP ? last + 1 - j0 : KP;
           tile(Qb, panels + p * KP * D, D, S);
           for (int64_t r = 0; r < R; r++) {
             float* sr = S + r * KP;
-            int64_t lim = i0 + r - j0 + 1; /* keys of this row in the panel: c < lim */
+            int64_t lim = off + i0 + r - j0 + 1; /* keys of this row in the panel: c < lim */
             lim = lim < n ? lim : n;
             __mmask16 k0 = lim <= 0 ? 0 : tail16(lim), k1 = lim <= 16 ? 0 : tail16(lim - 16);
             __m512 s0 = _mm512_mask_blend_ps(k0, _mm512_set1_ps(-INFINITY), _mm512_loadu_ps(sr));
@@ -723,13 +727,14 @@ void rl2_attn_fwd(const float* q, int64_t q_sh, int64_t q_st, const float* k, co
 /* Backward, given the forward's out and lse (flash-attention 2's recomputation): per block of
  * query rows and panel of keys, P = exp(S - lse), dP = dO V^T, dS = P (dP - delta) with delta =
  * rowsum(dO * O); then dV += P^T dO, dK += dS^T (scale q), dQ += dS K * scale. dk_part, dv_part:
- * G x T x KH x D each: query head h's share of its KV head's gradients in slot h % G (no two
+ * G x TK x KH x D each: query head h's share of its KV head's gradients in slot h % G (no two
  * work items write the same rows), summed over the slots in order by rl2_attn_sum. */
 void rl2_attn_bwd(const float* q, int64_t q_sh, int64_t q_st, const float* k, const float* v,
                   int64_t kv_sh, int64_t kv_st, const float* out, const float* dout,
-                  const float* lse, int64_t H, int64_t KH, int64_t D, int64_t T,
-                  const int64_t* bounds, const int64_t* items, int64_t n_items, float scale,
-                  float* scratch, int64_t cap, float* dq, float* dk_part, float* dv_part,
+                  const float* lse, int64_t H, int64_t KH, int64_t D, int64_t T, int64_t TK,
+                  const int64_t* bounds, const int64_t* kbounds, const int64_t* items,
+                  int64_t n_items, float scale, float* scratch, int64_t cap, float* dq,
+                  float* dk_part, float* dv_part,
                   int threads) {
   update_fn update = D == 64 ? rank_update_64 : rank_update_128;
   int64_t n_seq = n_items / H, G = H / KH;
@@ -741,15 +746,16 @@ void rl2_attn_bwd(const float* q, int64_t q_sh, int64_t q_st, const float* k, co
 #pragma omp for schedule(dynamic, 1)
     for (int64_t it = 0; it < n_items; it++) {
       int64_t h = items[it] / n_seq, sq = items[it] % n_seq, kh = h / G;
-      int64_t s = bounds[sq], L = bounds[sq + 1] - s, np = (L + KP - 1) / KP;
+      int64_t s = bounds[sq], L = bounds[sq + 1] - s, ks = kbounds[sq], M = kbounds[sq + 1] - ks;
+      int64_t off = M - L, np = (M + KP - 1) / KP;
       if (L <= 0) continue;
-      const float *kb = k + kh * kv_sh + s * kv_st, *vb = v + kh * kv_sh + s * kv_st;
+      const float *kb = k + kh * kv_sh + ks * kv_st, *vb = v + kh * kv_sh + ks * kv_st;
       for (int64_t p = 0; p < np; p++) {
-        int64_t n = L - p * KP < KP ? L - p * KP : KP;
+        int64_t n = M - p * KP < KP ? M - p * KP : KP;
         pack_panel(kb, kv_st, p * KP, n, D, kpan + p * KP * D);
         pack_panel(vb, kv_st, p * KP, n, D, vpan + p * KP * D);
       }
-      for (int64_t x = 0; x < L * D; x++) dK[x] = dV[x] = 0.0f;
+      for (int64_t x = 0; x < M * D; x++) dK[x] = dV[x] = 0.0f;
       for (int64_t i0 = 0; i0 < L; i0 += QB) {
         int64_t R = L - i0 < QB ? L - i0 : QB;
         load_rows(q + h * q_sh + s * q_st, q_st, i0, R, D, scale, Qb);
@@ -766,14 +772,14 @@ void rl2_attn_bwd(const float* q, int64_t q_sh, int64_t q_st, const float* k, co
           delta[r] = _mm512_reduce_add_ps(acc);
           ls[r] = lse[h * T + s + i0 + r];
         }
-        int64_t last = i0 + R - 1;
+        int64_t last = off + i0 + R - 1;
         for (int64_t p = 0; p * KP <= last; p++) {
           int64_t j0 = p * KP, n = last + 1 - j0 < KP ? last + 1 - j0 : KP;
           tile(Qb, kpan + p * KP * D, D, S);
           tile(dOb, vpan + p * KP * D, D, dP);
           for (int64_t r = 0; r < QB; r++) {
             float *sr = S + r * KP, *dr = dP + r * KP;
-            int64_t lim = r < R ? i0 + r - j0 + 1 : 0;
+            int64_t lim = r < R ? off + i0 + r - j0 + 1 : 0;
             lim = lim < n ? lim : n;
             __mmask16 k0 = lim <= 0 ? 0 : tail16(lim), k1 = lim <= 16 ? 0 : tail16(lim - 16);
             __m512 top = _mm512_set1_ps(r < R ? ls[r] : 0.0f), dl = _mm512_set1_ps(r < R ? delta[r] : 0.0f);
@@ -793,9 +799,9 @@ void rl2_attn_bwd(const float* q, int64_t q_sh, int64_t q_st, const float* k, co
           for (int64_t x = 0; x < D; x++) o[x] = dQb[r * D + x] * scale;
         }
       }
-      float *pk = dk_part + ((h % G) * T + s) * KH * D + kh * D;
-      float *pv = dv_part + ((h % G) * T + s) * KH * D + kh * D;
-      for (int64_t t = 0; t < L; t++)
+      float *pk = dk_part + ((h % G) * TK + ks) * KH * D + kh * D;
+      float *pv = dv_part + ((h % G) * TK + ks) * KH * D + kh * D;
+      for (int64_t t = 0; t < M; t++)
         for (int64_t x = 0; x < D; x++) {
           pk[t * KH * D + x] = dK[t * D + x];
           pv[t * KH * D + x] = dV[t * D + x];

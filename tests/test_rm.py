@@ -53,20 +53,66 @@ def serial(assets, tmp_path_factory):
     return serial_runs("rm", rm_args, assets, tmp_path_factory)
 
 
+@pytest.fixture(scope="module")
+def serial_unshared(assets, tmp_path_factory):
+    """The reference with actor.share_prompt=false: sp layouts cannot share a prompt (auto
+    leaves it off there), and they are compared with the same setting."""
+    return serial_runs("rm", lambda a, *e: rm_args(a, "actor.share_prompt=false", *e), assets,
+                       tmp_path_factory)
+
+
 # Pairs are <= 71 tokens (76 padded for sp=2), so every layout packs several micro-batches.
 BUDGETS = {"fsdp2": 80, "ddp2xfsdp2": 160, "sp2": 48, "dp2xsp2": 64, "tp2": 40}
 CASES = parallel_cases(BUDGETS)
 KEYS = ("train/loss", "train/accuracy", "train/margin", "train/grad_norm", "test/loss", "test/margin")
 
 
-@pytest.mark.parametrize("name,dtype,rtol", CASES)
-def test_parallel_equals_serial(assets, serial, tmp_path, name, dtype, rtol):
-    nproc, extra = layout(name, BUDGETS[name])
-    run_trainer("rm", nproc, rm_args(assets, f"actor.dtype={dtype}", *extra), tmp_path)
+def _assert_matches_serial(run_dir, serial_dir, rtol):
     for key in KEYS:
         # A margin is a difference of two rewards ~100x larger: give it a matching absolute floor.
-        assert_close(train_rows(tmp_path, key), train_rows(serial(dtype), key), rtol, key,
+        assert_close(train_rows(run_dir, key), train_rows(serial_dir, key), rtol, key,
                      atol=rtol / 100 if "margin" in key else 0.0)
+
+
+@pytest.mark.parametrize("name,dtype,rtol", CASES)
+def test_parallel_equals_serial(assets, serial, serial_unshared, tmp_path, name, dtype, rtol):
+    nproc, extra = layout(name, BUDGETS[name])
+    run_trainer("rm", nproc, rm_args(assets, f"actor.dtype={dtype}", *extra), tmp_path)
+    _assert_matches_serial(tmp_path, (serial_unshared if "sp" in name else serial)(dtype), rtol)
+
+
+def test_each_rejected_side_continues_its_chosen_sides_prompt(assets):
+    """flatten_pairs(share_prompt=True) on reward-model pairs (input_ids and eos_mask only): every
+    rejected side starts at its first token that differs from the chosen side (position_ids
+    from there) and keeps its scored last token."""
+    from RL2.data.io import load_rows
+    from RL2.data.pairs import flatten_pairs, pair_tokenizer
+    from RL2.utils.config import load_config
+
+    from RL2.data.packing import resolve_share_prompt
+
+    cfg = load_config("rm", rm_args(assets))
+    assert resolve_share_prompt(cfg.actor, "cpu")  # the default (auto) on the CPU: the runs here share
+    tokenize = pair_tokenizer(cfg.data.train, assets["tokenizer"], for_reward_model=True)
+    rows = load_rows(f"{assets['data']}/pref_train.jsonl")
+    pairs = [tokenize(rows[i], i, "pref_train") for i in range(8)]
+    samples, groups = flatten_pairs(pairs, share_prompt=True)
+    assert groups == [[2 * i, 2 * i + 1] for i in range(8)]
+    for p, chosen, tail in zip(pairs, samples[0::2], samples[1::2]):
+        c, r = p["chosen"]["input_ids"], p["rejected"]["input_ids"]
+        start = int((c[:len(r)] != r[:len(c)]).nonzero()[0])  # the first token that differs
+        assert start > 0 and tail["position_ids"].tolist() == list(range(start, len(r)))
+        assert torch.equal(tail["input_ids"], r[start:])
+        assert tail["eos_mask"].tolist() == [0] * (len(r) - start - 1) + [1]
+        assert chosen["position_ids"].tolist() == list(range(len(c)))
+
+
+def test_shared_prompt_equals_unshared(serial, serial_unshared):
+    """actor.share_prompt (auto: on in the CPU serial run) computes each pair's prompt once, in
+    training and in evaluation; off, every metric agrees (float64 to 1e-7: HF's RMSNorm computes
+    in float32, see tests/test_dpo.py; a wrong mask or position moves them by > 1e-3)."""
+    _assert_matches_serial(serial_unshared("float64"), serial("float64"), 1e-7)
+    _assert_matches_serial(serial_unshared("float32"), serial("float32"), 1e-5)
 
 
 def test_accuracy_above_chance_and_hf_export_reproduces_rewards(assets, serial):

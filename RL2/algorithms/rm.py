@@ -16,8 +16,9 @@ def metric_sums(loss, correct, r_chosen, r_rejected) -> torch.Tensor:
 
 
 def rm_update(model, pairs: list[dict]) -> dict:
-    """One optimizer step of the reward model (a value worker) averaged over the global pairs."""
-    samples, groups = flatten_pairs(pairs)
+    """One optimizer step of the reward model (a value worker) averaged over the global pairs;
+    with `share_prompt`, each rejected side continues its chosen side's prompt (computed once)."""
+    samples, groups = flatten_pairs(pairs, model.share_prompt)
     # Every sp rank computes the same pair losses (rewards are all-reduced over sp, whose
     # backward all-reduces the gradient): scale so FSDP's sum over ranks counts them once.
     scale = 1.0 / (len(pairs) * model.dims.sp)
@@ -31,14 +32,16 @@ def rm_update(model, pairs: list[dict]) -> dict:
             sums += metric_sums(loss, correct, rewards[chosen], rewards[rejected])
     grad_norm = model.step()
     metrics = {k: model.all_reduce_metric(v) / len(pairs) for k, v in zip(METRICS, sums.tolist())}
-    return dict(metrics, grad_norm=grad_norm, lr=model.lr, **token_metrics(samples, "eos_mask"))
+    # the pairs' tokens as if unshared: the work done, comparable with share_prompt off
+    return dict(metrics, grad_norm=grad_norm, lr=model.lr,
+                **token_metrics(flatten_pairs(pairs)[0], "eos_mask"))
 
 
 @torch.no_grad()
 def rm_eval(model, pairs: list[dict]) -> dict:
     """Mean loss, accuracy, margin and rewards over `pairs` (every rank gets the same)."""
-    samples, _ = flatten_pairs(pairs)
-    rewards = model.compute_rewards(samples)
+    samples, groups = flatten_pairs(pairs, model.share_prompt)
+    rewards = model.compute_rewards(samples, groups=groups)
     loss, correct = rm_loss(rewards[0::2], rewards[1::2])
     sums = metric_sums(loss, correct, rewards[0::2], rewards[1::2])
     return {k: v / len(pairs) for k, v in zip(METRICS, sums.tolist())}

@@ -82,16 +82,20 @@ def resolve_share_prompt(worker_cfg, device: str) -> bool:
 
 
 def shared_length(first: dict, second: dict) -> int:
-    """How many leading positions `second` can take from `first`: equal input_ids and labels,
-    and no action token in either (action log-probs are summed per sample, so they are never
-    shared). Other per-token keys at those positions are dropped with them: every loss and
-    metric reads them through action_mask, which is 0 there. At least `second`'s last position
-    stays its own."""
+    """How many leading positions `second` can take from `first`: equal input_ids (and labels,
+    if the samples have them), and no action token (action_mask) or scored token (eos_mask, a
+    reward model's) in either: what is read per sample is never shared. Other per-token keys at
+    those positions are dropped with them: every loss and metric reads them through those
+    masks, which are 0 there. At least `second`'s last position stays its own."""
     n = min(len(first["input_ids"]), len(second["input_ids"]) - 1)
     if n <= 0:
         return 0
-    same = ((first["input_ids"][:n] == second["input_ids"][:n]) & (first["labels"][:n] == second["labels"][:n])
-            & (first["action_mask"][:n] == 0) & (second["action_mask"][:n] == 0))
+    same = first["input_ids"][:n] == second["input_ids"][:n]
+    if "labels" in first:
+        same &= first["labels"][:n] == second["labels"][:n]
+    for mask in ("action_mask", "eos_mask"):
+        if mask in first:
+            same &= (first[mask][:n] == 0) & (second[mask][:n] == 0)
     differs = (~same).nonzero()
     return int(differs[0]) if len(differs) else n
 

@@ -8,6 +8,7 @@ final model (run_dir/final) loads with AutoModelForTokenClassification. Its conf
 `actor.*` worker keys, like every trainer's trained model.
 """
 from RL2.algorithms.rm import rm_eval, rm_update
+from RL2.data.packing import resolve_share_prompt
 from RL2.data.pairs import check_pair_lengths, pair_tokenizer
 from RL2.trainer.base import Trainer
 from RL2.workers.critic import Critic
@@ -19,6 +20,7 @@ class RMTrainer(Trainer):
         self.train_data, self.test_data = self.load_splits(
             pair_tokenizer(cfg.data.train, self.tokenizer, for_reward_model=True))
         check_pair_lengths(self.train_data + self.test_data, cfg.actor)
+        resolve_share_prompt(cfg.actor, self.device)  # a bad value stops the run before loading
         self.sampler, self.n_steps = self.plan_steps(len(self.train_data), cfg.data.train.batch_size)
         self.reward_model = Critic(cfg.actor, self.device, total_steps=self.n_steps, seed=cfg.trainer.seed)
         self.maybe_resume()

@@ -101,9 +101,10 @@ class Worker:
                         cpu_ops.use_attention(self.model), cpu_ops.use_rope(self.model))
         self.config = self.model.config
         self.logits_for_actions_only = not value_head and takes_positions_to_keep(self.model)
-        # samples that repeat an earlier one's first tokens continue it (`plan`); a value model
-        # reads values at prompt tokens of every sample, so it keeps them
-        self.share_prompt = not value_head and resolve_share_prompt(cfg, device)
+        # pairs (DPO, RM: `flatten_pairs`) and samples that repeat an earlier one's first tokens
+        # (`plan`) compute them once; the PPO critic reads values at prompt tokens of every
+        # sample, so `plan` keeps a value model's samples whole
+        self.share_prompt = resolve_share_prompt(cfg, device)
         check_sp_rope(rope_types(self.model), self.dims.sp)
         # ring attention's K/V blocks through shared memory, as FSDP's collectives (cpu_comm)
         self.ring_host = None
@@ -137,7 +138,7 @@ class Worker:
 
     def _layout(self, samples: list[dict], groups: list[list[int]] | None):
         """(samples, groups, tokens each sample leaves to a shared prefix or None) as packed."""
-        if groups is None and self.share_prompt:
+        if groups is None and self.share_prompt and not self.value_head:
             return share_prefixes(samples, self.capacity, self.dims.dp)
         return samples, groups, None
 

@@ -179,6 +179,22 @@ def serial_runs(trainer, make_args, assets, tmp_path_factory):
     return get
 
 
+def shared_pairs(assets, trainer: str, args: list[str], n: int = 8):
+    """The first n training pairs tokenized for `trainer` ("dpo" or "rm"), and their samples as
+    flatten_pairs(share_prompt=True) lays them out (chosen, rejected tail; groups checked)."""
+    from RL2.data.io import load_rows
+    from RL2.data.pairs import flatten_pairs, pair_tokenizer
+    from RL2.utils.config import load_config
+
+    cfg = load_config(trainer, args)
+    tokenize = pair_tokenizer(cfg.data.train, assets["tokenizer"], for_reward_model=trainer == "rm")
+    rows = load_rows(f"{assets['data']}/pref_train.jsonl")
+    pairs = [tokenize(rows[i], i, "pref_train") for i in range(n)]
+    samples, groups = flatten_pairs(pairs, share_prompt=True)
+    assert groups == [[2 * i, 2 * i + 1] for i in range(n)]
+    return cfg, pairs, samples
+
+
 def write_rows(path, rows):
     with open(path, "w") as f:
         for r in rows:

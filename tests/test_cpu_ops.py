@@ -235,6 +235,9 @@ def test_attention_over_gathered_keys_matches_sdpa(heads, kv_heads, d, pairs):
         assert (kernel - exact).abs().max() <= 1.5 * (sdpa32 - exact).abs().max() + 1e-6
     with pytest.raises(ValueError, match="no fewer keys"):  # a sequence with fewer keys than queries
         cpu_ops.causal_attention(q, k, v, bounds, scale, [0] + kbounds[2:] + [kbounds[-1]])
+    with pytest.raises(ValueError, match="none without queries"):  # keys but no queries: the
+        # kernel's backward would leave their gradient rows unwritten
+        cpu_ops.causal_attention(q[:, :, :5], k[:, :, :8], v[:, :, :8], [0, 0, 5], scale, [0, 3, 8])
 
 
 def _attention_model(seed: int = 0) -> Qwen2ForCausalLM:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tests.run_utils import (SFT_COEF, assert_close, bad_rows_file, dpo_args, layout, parallel_cases,
-                             read_metrics, run_trainer, serial_runs, train_rows)
+                             read_metrics, run_trainer, serial_runs, shared_pairs, train_rows)
 
 
 @pytest.fixture(scope="module")
@@ -163,16 +163,7 @@ def test_bad_reshard_after_forward_is_refused_by_name(assets, tmp_path):
 def test_each_rejected_side_continues_its_chosen_sides_prompt(assets):
     """flatten_pairs(share_prompt=True) on the test data: every rejected side starts at its last
     prompt token (position_ids from there) and keeps every response token."""
-    from RL2.data.io import load_rows
-    from RL2.data.pairs import flatten_pairs, pair_tokenizer
-    from RL2.utils.config import load_config
-
-    cfg = load_config("dpo", dpo_args(assets))
-    tokenize = pair_tokenizer(cfg.data.train, assets["tokenizer"], for_reward_model=False)
-    rows = load_rows(f"{assets['data']}/pref_train.jsonl")
-    pairs = [tokenize(rows[i], i, "pref_train") for i in range(8)]
-    samples, groups = flatten_pairs(pairs, share_prompt=True)
-    assert groups == [[2 * i, 2 * i + 1] for i in range(8)]
+    _, pairs, samples = shared_pairs(assets, "dpo", dpo_args(assets))
     for p, chosen, tail in zip(pairs, samples[0::2], samples[1::2]):
         full = p["rejected"]
         start = int(full["action_mask"].nonzero()[0])  # the last prompt token: its label responds
@@ -190,3 +181,8 @@ def test_shared_prompt_equals_unshared(serial, serial_unshared):
     1e-16); a wrong mask or position would move them by > 1e-3."""
     _assert_matches_serial(serial_unshared("float64"), serial("float64"), 1e-7)
     _assert_matches_serial(serial_unshared("float32"), serial("float32"), 1e-5)
+    # and the shared run did share: its float64 gradients were summed in another order (the
+    # same code path would give the same bits)
+    grad_norms = [train_rows(serial_unshared("float64"), "train/grad_norm"),
+                  train_rows(serial("float64"), "train/grad_norm")]
+    assert grad_norms[0] != grad_norms[1]

@@ -9,7 +9,7 @@ import torch
 
 from tests.dist_utils import run_dist
 from tests.run_utils import (assert_close, bad_rows_file, layout, parallel_cases, read_metrics,
-                             run_trainer, serial_runs, train_rows)
+                             run_trainer, serial_runs, shared_pairs, train_rows)
 
 
 def rm_args(assets, *extra):
@@ -85,19 +85,10 @@ def test_each_rejected_side_continues_its_chosen_sides_prompt(assets):
     """flatten_pairs(share_prompt=True) on reward-model pairs (input_ids and eos_mask only): every
     rejected side starts at its first token that differs from the chosen side (position_ids
     from there) and keeps its scored last token."""
-    from RL2.data.io import load_rows
-    from RL2.data.pairs import flatten_pairs, pair_tokenizer
-    from RL2.utils.config import load_config
-
     from RL2.data.packing import resolve_share_prompt
 
-    cfg = load_config("rm", rm_args(assets))
+    cfg, pairs, samples = shared_pairs(assets, "rm", rm_args(assets))
     assert resolve_share_prompt(cfg.actor, "cpu")  # the default (auto) on the CPU: the runs here share
-    tokenize = pair_tokenizer(cfg.data.train, assets["tokenizer"], for_reward_model=True)
-    rows = load_rows(f"{assets['data']}/pref_train.jsonl")
-    pairs = [tokenize(rows[i], i, "pref_train") for i in range(8)]
-    samples, groups = flatten_pairs(pairs, share_prompt=True)
-    assert groups == [[2 * i, 2 * i + 1] for i in range(8)]
     for p, chosen, tail in zip(pairs, samples[0::2], samples[1::2]):
         c, r = p["chosen"]["input_ids"], p["rejected"]["input_ids"]
         start = int((c[:len(r)] != r[:len(c)]).nonzero()[0])  # the first token that differs
@@ -113,6 +104,11 @@ def test_shared_prompt_equals_unshared(serial, serial_unshared):
     in float32, see tests/test_dpo.py; a wrong mask or position moves them by > 1e-3)."""
     _assert_matches_serial(serial_unshared("float64"), serial("float64"), 1e-7)
     _assert_matches_serial(serial_unshared("float32"), serial("float32"), 1e-5)
+    # and the shared run did share: its float64 gradients were summed in another order (the
+    # same code path would give the same bits)
+    grad_norms = [train_rows(serial_unshared("float64"), "train/grad_norm"),
+                  train_rows(serial("float64"), "train/grad_norm")]
+    assert grad_norms[0] != grad_norms[1]
 
 
 def test_accuracy_above_chance_and_hf_export_reproduces_rewards(assets, serial):

@@ -334,10 +334,13 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: 
     if not _rising(bounds, q.shape[2]):
         raise ValueError(f"causal_attention: bounds must rise from 0 to {q.shape[2]}, got {bounds}")
     if kbounds is not None:
+        # a sequence without queries gets no key gradients from the kernel: it has no keys either
         if len(kbounds) != len(bounds) or not _rising(kbounds, k.shape[2]) or any(
-                kb - ka < b - a for a, b, ka, kb in zip(bounds, bounds[1:], kbounds, kbounds[1:])):
+                kb - ka < b - a or (b == a and kb > ka)
+                for a, b, ka, kb in zip(bounds, bounds[1:], kbounds, kbounds[1:])):
             raise ValueError(f"causal_attention: key bounds must rise from 0 to {k.shape[2]} with "
-                             f"no fewer keys than queries per sequence, got {kbounds} for {bounds}")
+                             f"no fewer keys than queries per sequence (none without queries), "
+                             f"got {kbounds} for {bounds}")
         kbounds = list(kbounds)
     return CausalAttentionFunction.apply(q, k, v, list(bounds), scale, kbounds)
 

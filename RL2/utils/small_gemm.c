@@ -588,8 +588,8 @@ void rl2_glu_bwd(const float* g, const float* u, const float* dh, int64_t n, flo
  * tokens does the work of a full square; benchmarks/README.md, fix 31). Scores are taken as
  * (scale * q) . k. Layouts: q (h, t, d) at h * q_sh + t * q_st + d, k and v likewise with KH
  * heads (query head h reads KV head h / (H / KH)); out, dq: (t, h, d) contiguous; lse: (h, t);
- * dk, dv: (t, kh, d) contiguous. Work items are (query head, sequence) pairs, handed out
- * dynamically in the caller's order (longest first). scratch: per thread, the packed keys (and,
+ * dk, dv: (tk, kh, d) contiguous. Work items are (query head, sequence) pairs, handed out
+ * dynamically in the caller's order (the most work first). scratch: per thread, the packed keys (and,
  * backward, values and the dK / dV sums) of one sequence, `cap` floats each (the longest
  * sequence rounded up to 32 keys, times D). kbounds: where each sequence's keys lie in k and v
  * (`bounds` itself, or gathered keys of a shared prompt, TK rows): a sequence of L queries and

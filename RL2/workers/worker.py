@@ -130,7 +130,8 @@ class Worker:
     # ----- batching -----
     def plan(self, samples: list[dict], groups: list[list[int]] | None = None) -> list[MicroBatch]:
         """This rank's packed micro-batches; the plan is made on rank 0 and broadcast so every
-        rank agrees on it even if tie-breaks differ. With `share_prompt` and no `groups`, samples
+        rank agrees on it even if tie-breaks differ. With `share_prompt`, no `groups` and a causal
+        LM (a value model keeps its samples whole: the PPO critic reads every token), samples
         that begin alike (a GRPO group's prompt) are packed as tails continuing one shared
         prefix sequence (`packing.share_prefixes`; micro-batches then also hold those prefixes,
         with action_mask 0); per-token outputs cover the tails."""

@@ -19,11 +19,12 @@ def trained_rm(assets, tmp_path_factory):
 
 
 def trajectories(tokenizer):
-    """Two trajectories: one whose response ends with eos (the RM reads after the chat
-    template's suffix, as in RM training), one cut by max_new_tokens; a failed one is skipped."""
+    """Trajectories: one whose response ends with eos (the RM reads after the chat template's
+    suffix, as in RM training), one cut by max_new_tokens, a failed one (skipped), and a second
+    response to the first prompt (the two share their prompt: computed once)."""
     out = []
     for prompt, response, eos in (("What is 1 plus 2?", "3", True), ("What is 4 plus 0?", "no idea 7", False),
-                                  ("What is 2 plus 2?", "4", True)):
+                                  ("What is 2 plus 2?", "4", True), ("What is 1 plus 2?", "three", True)):
         p = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
                                           add_generation_prompt=True)
         p_ids = tokenizer.encode(p, add_special_tokens=False)
@@ -47,11 +48,20 @@ def _score(rank, world_size, rm_path, model_path):
     torch.set_num_threads(1)
     cfg = load_config("ppo", [f"actor.model_name={model_path}", "data.train.path=x", "actor.rollout.env_path=x",
                               "actor.max_length_per_device=32"])  # several micro-batches over fsdp2
+    import RL2.workers.worker as worker
+
     tok = AutoTokenizer.from_pretrained(model_path)
     rm = RewardModel(rm_path, cfg.actor, 0.5, tok, "cpu", seed=0)
     trajs = trajectories(tok)
+    shared, share_prefixes = [], worker.share_prefixes
+
+    def counted(samples, *a):  # prefix-only sequences added (`share_prompt`: auto, on for CPU)
+        out = share_prefixes(samples, *a)
+        shared.append(len(out[0]) - len(samples))
+        return out
+    worker.share_prefixes = counted
     rm([trajs[:2], trajs[2:]])
-    return [(t.reward, t.samples[0]["rewards"].tolist(), t.extra_info, t.text) for t in trajs]
+    return [(t.reward, t.samples[0]["rewards"].tolist(), t.extra_info, t.text) for t in trajs], shared
 
 
 @pytest.mark.slow
@@ -60,14 +70,16 @@ def test_reward_model_scores_like_hf_and_adds_to_the_reward(assets, trained_rm):
 
     got = run_dist(_score, 2, trained_rm, assets["model"])
     assert got[0] == got[1]  # every rank holds the same rewards
+    got, shared = got[0]
+    assert shared == [1]  # the two responses to the first prompt computed it once
     hf = AutoModelForTokenClassification.from_pretrained(trained_rm).eval()
     tok = AutoTokenizer.from_pretrained(assets["model"])
-    for reward, rewards, info, text in got[0][:2]:
+    for reward, rewards, info, text in got[:2] + got[3:]:
         with torch.no_grad():
             want = hf(torch.tensor([tok.encode(text, add_special_tokens=False)])).logits[0, -1, 0].item()
         assert info["reward_components"]["reward_model"] == pytest.approx(want, rel=1e-5, abs=1e-6)
         assert info["reward_components"]["env"] == 1.0
         assert reward == pytest.approx(1.0 + 0.5 * want, rel=1e-5)
         assert rewards[-1] == pytest.approx(1.0 + 0.5 * want, rel=1e-5) and not any(rewards[:-1])
-    failed = got[0][2]
+    failed = got[2]
     assert failed[0] == 1.0 and failed[2] == {}  # a failed trajectory is not scored

@@ -11,10 +11,9 @@ class Critic(Worker):
     def __init__(self, cfg, device, **kw):
         super().__init__(cfg, device, value_head=True, **kw)
 
-    def compute_values(self, samples: list[dict], groups: list[list[int]] | None = None) -> list[torch.Tensor]:
-        """Per-token values of every sample (no grad), in order, on every rank (`groups` as for
-        `plan`: a pair's two sides, the second continuing the first, stay together)."""
-        return self.infer(samples, "values", groups)
+    def compute_values(self, samples: list[dict]) -> list[torch.Tensor]:
+        """Per-token values of every sample (no grad), in order, on every rank."""
+        return self.infer(samples, "values")
 
     def masked_values(self, mb, values: torch.Tensor, mask_key: str = "eos_mask") -> torch.Tensor:
         """sum_t values[t] * mask[t] per sequence of a micro-batch (with a one-hot mask: the
@@ -23,6 +22,8 @@ class Critic(Worker):
 
     def compute_rewards(self, samples: list[dict], mask_key: str = "eos_mask",
                         groups: list[list[int]] | None = None) -> torch.Tensor:
-        """Reward of each sample: its value where `mask_key` == 1 (no grad)."""
-        values = self.compute_values(samples, groups)
+        """Reward of each sample: its value where `mask_key` == 1 (no grad). With eos_mask and
+        `share_prompt`, samples that begin alike (a GRPO group's responses) compute their
+        prompt once (`plan`): a scored token is never shared (`packing.shared_length`)."""
+        values = self.infer(samples, "values", groups, share=mask_key == "eos_mask")
         return torch.stack([(v.double() * s[mask_key].double()).sum() for v, s in zip(values, samples)])

@@ -137,9 +137,12 @@ class Worker:
         with action_mask 0); per-token outputs cover the tails."""
         return self._plan(*self._layout(samples, groups)[:2])
 
-    def _layout(self, samples: list[dict], groups: list[list[int]] | None):
-        """(samples, groups, tokens each sample leaves to a shared prefix or None) as packed."""
-        if groups is None and self.share_prompt and not self.value_head:
+    def _layout(self, samples: list[dict], groups: list[list[int]] | None, share: bool | None = None):
+        """(samples, groups, tokens each sample leaves to a shared prefix or None) as packed.
+        `share`: whether the caller reads nothing at shared prompt tokens (None: a causal LM's
+        log-probs, yes; a value model's values, no)."""
+        share = not self.value_head if share is None else share
+        if groups is None and self.share_prompt and share:
             return share_prefixes(samples, self.capacity, self.dims.dp)
         return samples, groups, None
 
@@ -198,13 +201,14 @@ class Worker:
 
     @torch.no_grad()
     def infer(self, samples: list[dict], key: str, groups: list[list[int]] | None = None,
-              **kw) -> list[torch.Tensor]:
+              share: bool | None = None, **kw) -> list[torch.Tensor]:
         """Run `forward` over every sample and return output `key` per sample, in order, on every
-        rank (micro-batches are spread over dp ranks, then gathered; `groups` as for `plan`)."""
+        rank (micro-batches are spread over dp ranks, then gathered; `groups` as for `plan`,
+        `share` as for `_layout`: outputs at shared prompt tokens then read 0)."""
         was_training = self.model.training
         self.model.eval()
         n, local = len(samples), {}
-        samples, groups, dropped = self._layout(samples, groups)  # outputs back at full length
+        samples, groups, dropped = self._layout(samples, groups, share)  # outputs back at full length
         for mb in self._plan(samples, groups):
             out = self.forward(mb, **kw)[key]
             for i, t in zip(mb.indices, unpack(mb, out, self.dims.sp_group)):

@@ -9,7 +9,8 @@ builds a T x T mask; the attention function then runs causal attention inside ev
 sequence (CPU: SDPA per sequence, or RL2's C kernel for modules `cpu_ops.use_attention` marked;
 CUDA fp16/bf16: flash-attn varlen if installed; with an sp group: zig-zag ring attention). A
 sequence may also continue the prefix of an earlier one (shared prompts: the same kernels over
-gathered keys, with a bottom-right causal mask). Without a context (generate, padded batches) it behaves like HF "sdpa".
+gathered keys, with a bottom-right causal mask). Without a context (generate, padded batches) it
+behaves like HF "sdpa".
 """
 from __future__ import annotations
 

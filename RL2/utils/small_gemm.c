@@ -589,9 +589,9 @@ void rl2_glu_bwd(const float* g, const float* u, const float* dh, int64_t n, flo
  * (scale * q) . k. Layouts: q (h, t, d) at h * q_sh + t * q_st + d, k and v likewise with KH
  * heads (query head h reads KV head h / (H / KH)); out, dq: (t, h, d) contiguous; lse: (h, t);
  * dk, dv: (tk, kh, d) contiguous. Work items are (query head, sequence) pairs, handed out
- * dynamically in the caller's order (the most work first). scratch: per thread, the packed keys (and,
- * backward, values and the dK / dV sums) of one sequence, `cap` floats each (the longest
- * sequence rounded up to 32 keys, times D). kbounds: where each sequence's keys lie in k and v
+ * dynamically in the caller's order (the most work first). scratch: per thread, the packed
+ * keys (and, backward, values and the dK / dV sums) of one sequence, `cap` floats each (the
+ * most keys of a sequence rounded up to 32, times D). kbounds: where each sequence's keys lie in k and v
  * (`bounds` itself, or gathered keys of a shared prompt, TK rows): a sequence of L queries and
  * M >= L keys aligns its causal mask to the bottom right, so query row i sees keys 0..M-L+i
  * (flash-attention's rule for fewer queries than keys). */
@@ -656,8 +656,9 @@ typedef void (*update_fn)(const float*, int64_t, int64_t, const float*, int64_t,
 
 void rl2_attn_fwd(const float* q, int64_t q_sh, int64_t q_st, const float* k, const float* v,
                   int64_t kv_sh, int64_t kv_st, int64_t H, int64_t KH, int64_t D, int64_t T,
-                  const int64_t* bounds, const int64_t* kbounds, const int64_t* items, int64_t n_items, float scale,
-                  float* scratch, int64_t cap, float* out, float* lse, int threads) {
+                  const int64_t* bounds, const int64_t* kbounds, const int64_t* items,
+                  int64_t n_items, float scale, float* scratch, int64_t cap, float* out, float* lse,
+                  int threads) {
   update_fn update = D == 64 ? rank_update_64 : rank_update_128;
   int64_t n_seq = n_items / H, G = H / KH;
 #pragma omp parallel num_threads(threads)

@@ -221,6 +221,13 @@ def _panel_floats(kbounds: list[int], d: int) -> int:
     return -(-longest // 32) * 32 * d
 
 
+def _schedule(bounds: list[int], kbounds: list[int] | None, heads: int, d: int):
+    """(bounds, key bounds as int64 tensors, work items, scratch floats per thread) of one call."""
+    kbounds = bounds if kbounds is None else kbounds
+    return (torch.tensor(bounds, dtype=torch.int64), torch.tensor(kbounds, dtype=torch.int64),
+            _attention_items(bounds, kbounds, heads), _panel_floats(kbounds, d))
+
+
 def _kernel_views(q3, k3, v3):
     """(heads, T, D) views as the kernel reads them: D contiguous, k and v one set of strides."""
     q3 = q3 if q3.stride(-1) == 1 else q3.contiguous()
@@ -238,12 +245,10 @@ def attention_forward(q3: torch.Tensor, k3: torch.Tensor, v3: torch.Tensor, boun
     lib = small_gemm.load()[0]
     q3, k3, v3 = _kernel_views(q3, k3, v3)
     (heads, T, D), kv_heads = q3.shape, k3.shape[0]
-    kbounds = bounds if kbounds is None else kbounds
-    b, kb = (torch.tensor(x, dtype=torch.int64) for x in (bounds, kbounds))
-    items = _attention_items(bounds, kbounds, heads)
+    b, kb, items, cap = _schedule(bounds, kbounds, heads, D)
     out, lse = q3.new_empty(T, heads, D), q3.new_empty(heads, T)
     # no more threads than work items: each thread gets scratch for the longest sequence
-    threads, cap = min(torch.get_num_threads(), items.numel()), _panel_floats(kbounds, D)
+    threads = min(torch.get_num_threads(), items.numel())
     scratch = q3.new_empty(threads * cap)
     lib.rl2_attn_fwd(q3.data_ptr(), q3.stride(0), q3.stride(1), k3.data_ptr(), v3.data_ptr(),
                      k3.stride(0), k3.stride(1), heads, kv_heads, D, T, b.data_ptr(), kb.data_ptr(),
@@ -261,11 +266,8 @@ def attention_backward(dout: torch.Tensor, q3: torch.Tensor, k3: torch.Tensor, v
     lib = small_gemm.load()[0]
     q3, k3, v3 = _kernel_views(q3, k3, v3)
     (heads, T, D), (kv_heads, TK) = q3.shape, k3.shape[:2]
-    kbounds = bounds if kbounds is None else kbounds
-    b, kb = (torch.tensor(x, dtype=torch.int64) for x in (bounds, kbounds))
-    items = _attention_items(bounds, kbounds, heads)
+    b, kb, items, cap = _schedule(bounds, kbounds, heads, D)
     groups, threads = heads // kv_heads, min(torch.get_num_threads(), items.numel())
-    cap = _panel_floats(kbounds, D)
     dout, out, lse = dout.contiguous(), out.contiguous(), lse.contiguous()
     dq = q3.new_empty(T, heads, D)
     dk_part, dv_part = (q3.new_empty(groups, TK, kv_heads, D) for _ in range(2))
@@ -347,8 +349,9 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: 
 
 @lru_cache(maxsize=None)
 def _attention_agrees() -> bool:
-    """The kernel against SDPA once per process: values and gradients, GQA, both head sizes."""
-    import torch.nn.functional as F
+    """The kernel against SDPA per sequence (the path it replaces) once per process: values and
+    gradients, GQA, both head sizes."""
+    from RL2.parallel.attention import _causal_per_sequence
 
     g = torch.Generator().manual_seed(0)
     # the last case: gathered keys of a shared prompt (a tail seeing 15 more keys than queries)
@@ -360,10 +363,7 @@ def _attention_agrees() -> bool:
         k, v = (torch.randn(1, kv_heads, kb[-1], d, generator=g) for _ in range(2))
 
         def sdpa(q, k, v):
-            return torch.cat([F.scaled_dot_product_attention(
-                q[:, :, s:e], k[:, :, ks:ke], v[:, :, ks:ke], scale=0.1, enable_gqa=heads != kv_heads,
-                attn_mask=torch.ones(e - s, ke - ks, dtype=torch.bool).tril(ke - ks - e + s))
-                for s, e, ks, ke in zip(bounds, bounds[1:], kb, kb[1:])], 2).transpose(1, 2)
+            return _causal_per_sequence(q, k, v, bounds, 0.1, 0.0, kbounds)
 
         def kernel(q, k, v):
             return causal_attention(q, k, v, bounds, 0.1, kbounds)

@@ -591,10 +591,10 @@ void rl2_glu_bwd(const float* g, const float* u, const float* dh, int64_t n, flo
  * dk, dv: (tk, kh, d) contiguous. Work items are (query head, sequence) pairs, handed out
  * dynamically in the caller's order (the most work first). scratch: per thread, the packed
  * keys (and, backward, values and the dK / dV sums) of one sequence, `cap` floats each (the
- * most keys of a sequence rounded up to 32, times D). kbounds: where each sequence's keys lie in k and v
- * (`bounds` itself, or gathered keys of a shared prompt, TK rows): a sequence of L queries and
- * M >= L keys aligns its causal mask to the bottom right, so query row i sees keys 0..M-L+i
- * (flash-attention's rule for fewer queries than keys). */
+ * most keys of a sequence rounded up to 32, times D). kbounds: where each sequence's keys lie
+ * in k and v (`bounds` itself, or gathered keys of a shared prompt, TK rows): a sequence of L
+ * queries and M >= L keys aligns its causal mask to the bottom right, so query row i sees keys
+ * 0..M-L+i (flash-attention's rule for fewer queries than keys). */
 #define QB ROWS /* query rows per block: the panel pass's 12 */
 #define KP 32   /* keys per panel: two strips */
 

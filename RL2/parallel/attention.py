@@ -48,7 +48,7 @@ class PackedContext:
     """
 
     __slots__ = ("cu_seqlens", "max_seqlen", "sp_group", "ring_host", "prefix_lens", "_bounds",
-                 "_keys")
+                 "_keys", "last_rows")
 
     def __init__(self, cu_seqlens: torch.Tensor, max_seqlen: int, sp_group: Any = None,
                  ring_host: Any = None, prefix_lens: list[int] | None = None):
@@ -56,6 +56,7 @@ class PackedContext:
         self.ring_host = ring_host
         self.prefix_lens = list(prefix_lens) if prefix_lens and any(prefix_lens) else None
         self._bounds = self._keys = None
+        self.last_rows = None  # (rows, their context) for the pruned last layer (last_layer.py)
 
     @property
     def bounds(self) -> list[int]:
@@ -88,6 +89,39 @@ class PackedContext:
                           torch.tensor(cu_k, dtype=torch.int32, device=device),
                           max(e - s for s, e in zip(cu_k[:-1], cu_k[1:])))
         return self._keys
+
+    @property
+    def gathered(self) -> bool:
+        """Whether a sequence's keys are other rows than its queries (`keys`)."""
+        return self.prefix_lens is not None or self._keys is not None
+
+    def suffixes(self, first: list[int], device) -> tuple[torch.Tensor, "PackedContext"]:
+        """Queries from row first[i] to the end of each sequence i (first[i] = its end: none),
+        keys as before: (the query rows, a context for them whose `keys` index this one's rows).
+        A sequence without queries keeps no keys (the kernel's rule)."""
+        b = self.bounds
+        if self.prefix_lens:
+            self.keys(device)  # checks every prefix against its root
+        rows, keys, cu_q, cu_k, root = [], [], [0], [0], None
+        for j, (s, e, f) in enumerate(zip(b[:-1], b[1:], first)):
+            p = self.prefix_lens[j] if self.prefix_lens else 0
+            root = j if not p else root
+            cu_q.append(cu_q[-1] + e - f)
+            if f == e:
+                cu_k.append(cu_k[-1])
+                continue
+            rows.append(torch.arange(f, e))
+            if p:  # validated by `keys` above
+                keys.append(torch.arange(b[root], b[root] + p))
+            keys.append(torch.arange(s, e))
+            cu_k.append(cu_k[-1] + p + e - s)
+        sub = PackedContext(torch.tensor(cu_q, dtype=torch.int32, device=device),
+                            max(e - s for s, e in zip(cu_q[:-1], cu_q[1:])))
+        sub._bounds = cu_q
+        sub._keys = (torch.cat(keys).to(device), cu_k,
+                     torch.tensor(cu_k, dtype=torch.int32, device=device),
+                     max(e - s for s, e in zip(cu_k[:-1], cu_k[1:])))
+        return torch.cat(rows).to(device), sub
 
 
 def packed_kwargs(ctx: PackedContext) -> dict:
@@ -175,6 +209,8 @@ def packed_attention_forward(
                                   "cannot be split by ring attention: use sp_size=1")
     window = kwargs.get("sliding_window")
     longest = ctx.max_seqlen * sp + max(ctx.prefix_lens or [0])
+    if ctx.gathered:
+        longest = max(longest, ctx.keys(query.device)[3])
     if window is not None and longest > window:
         raise NotImplementedError(
             f"sliding window {window} is shorter than a packed sequence ({longest} tokens)")
@@ -194,7 +230,7 @@ def packed_attention_forward(
         q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))
         cu = cu_k = ctx.cu_seqlens.to(device=q.device, dtype=torch.int32)
         max_k = ctx.max_seqlen
-        if ctx.prefix_lens:  # gathered keys; flash-attn aligns a causal mask with fewer queries
+        if ctx.gathered:  # gathered keys; flash-attn aligns a causal mask with fewer queries
             # than keys to the bottom right (flash_attn_varlen_func's docstring, 2.8.3)
             index, _, cu_k, max_k = ctx.keys(q.device)
             k, v = k.index_select(0, index), v.index_select(0, index)
@@ -202,7 +238,7 @@ def packed_attention_forward(
                     softmax_scale=scaling, causal=True)
         return out[None], None
     bounds_k = None
-    if ctx.prefix_lens:
+    if ctx.gathered:
         index, bounds_k, _, _ = ctx.keys(query.device)
         key, value = key.index_select(2, index), value.index_select(2, index)
     if getattr(module, "rl2_fused_attention", False) and not dropout:

@@ -18,7 +18,7 @@ from RL2.parallel.fsdp import parallelize, reshard, resolve_reshard
 from RL2.parallel.mesh import ParallelDims
 from RL2.utils import cpu_ops, onednn
 from RL2.utils.config import check_choice, resolve_dtype
-from RL2.workers import lora
+from RL2.workers import last_layer, lora
 from RL2.workers.loading import load_sharded, model_config
 
 logger = logging.getLogger(__name__)
@@ -101,6 +101,10 @@ class Worker:
                         cpu_ops.use_attention(self.model), cpu_ops.use_rope(self.model))
         self.config = self.model.config
         self.logits_for_actions_only = not value_head and takes_positions_to_keep(self.model)
+        # ... and the last layer only at those rows (its keys and values everywhere)
+        self.prune_last_layer = (self.logits_for_actions_only and last_layer.resolve(cfg, device)
+                                 and last_layer.install(self.model))
+        self._pruned_logged = False
         # pairs (DPO, RM: `flatten_pairs`) and samples that repeat an earlier one's first tokens
         # (`plan`) compute them once; the PPO critic reads values at prompt tokens of every
         # sample, so `plan` keeps a value model's samples whole
@@ -164,9 +168,18 @@ class Worker:
         ctx = PackedContext(mb.cu_seqlens, mb.max_seqlen, self.dims.sp_group, self.ring_host,
                             mb.prefix_lens)
         keep = self._action_positions(mb)  # None for a value model (logits_for_actions_only off)
+        rows = keep  # the rows of the model's output that `keep` is
+        if keep is not None and self.prune_last_layer:
+            pruned = last_layer.plan(ctx, keep)
+            rows = keep if pruned is None else pruned
+            if pruned is not None and not self._pruned_logged:
+                self._pruned_logged = True
+                logger.info("prune_last_layer: the last layer at %d of %d rows (keys and values at "
+                            "all) in the first micro-batch that skips any", len(ctx.last_rows[0]),
+                            len(mb.data["input_ids"]))
         out = self.model(input_ids=mb.data["input_ids"][None], position_ids=mb.data["position_ids"][None],
                          use_cache=False, **packed_kwargs(ctx),
-                         **({} if keep is None else {"logits_to_keep": keep}))
+                         **({} if keep is None else {"logits_to_keep": rows}))
         logits = out.logits
         if self.value_head:
             if hasattr(logits, "full_tensor"):

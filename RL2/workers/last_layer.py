@@ -1,0 +1,106 @@
+"""The last decoder layer computed only where logits are read.
+
+A causal LM's log-probs are read at action positions only (`Worker._action_positions`), and the
+last layer's output feeds nothing but the final norm and the lm_head. Its keys and values are
+needed at every position (the queries attend to them), but its queries, attention, o_proj,
+residual and MLP only at the rows whose logits are kept: a DPO pair's prompt, a GRPO group's
+shared prompt, an SFT prompt skip them (TRL and verl compute the whole layer). Each sequence
+keeps a suffix (from its first kept position on), so its queries see all of its keys under the
+bottom-right causal mask that shared prompts already use (`PackedContext.keys`).
+
+Only for transformers' own Llama-shaped decoder layers (`FAMILIES`): the pruned forward below
+restates theirs (pre-norm attention with q/k/v/o projections, optional per-head q/k norms,
+rotary embeddings, pre-norm MLP), so a family is listed once a test has compared it with HF's
+forward (tests/test_last_layer.py). Not with ring attention (sp_size > 1): its zig-zag shards
+would need the pruned rows split again.
+"""
+from __future__ import annotations
+
+import sys
+import types
+
+import torch
+
+from RL2.parallel.attention import CTX_KWARG, PackedContext
+from RL2.parallel.fsdp import decoder_layers
+
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def resolve(worker_cfg, device: str) -> bool:
+    """`prune_last_layer`: true, false or auto (on where it has run, the CPU; CUDA's attention
+    over fewer queries than keys, flash-attn's bottom-right mask, has not run here)."""
+    choice = worker_cfg.get("prune_last_layer", "auto")
+    if choice not in (True, False, "auto"):
+        raise SystemExit(f"prune_last_layer={choice!r}: use true, false or auto")
+    if choice == "auto":
+        return device == "cpu" and worker_cfg.sp_size == 1
+    if choice and worker_cfg.sp_size > 1:
+        raise SystemExit(f"prune_last_layer=true needs sp_size=1 (got {worker_cfg.sp_size})")
+    return choice
+
+
+def install(model: torch.nn.Module) -> bool:
+    """Give the last decoder layer the pruned forward (used when a call's PackedContext carries
+    `last_rows`); False, and nothing changed, for a model this module does not know."""
+    family = getattr(model.config, "model_type", None)
+    if family not in FAMILIES:
+        return False
+    layer = decoder_layers(model)[-1]
+    attn = getattr(layer, "self_attn", None)
+    own = f"transformers.models.{family}.modeling_{family}"
+    # the forward it runs (FSDP's subclass adds hooks, not a forward)
+    cls = next((c for c in type(layer).__mro__ if "forward" in c.__dict__), None)
+    if cls is None or cls.__module__ != own or attn is None or not all(
+            hasattr(attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "scaling")):
+        return False  # remote code, or a layer shaped otherwise
+    layer.forward = types.MethodType(_forward(layer.forward, sys.modules[own]), layer)
+    return True
+
+
+def plan(ctx: PackedContext, keep: torch.Tensor) -> torch.Tensor | None:
+    """Set `ctx.last_rows` for the kept positions `keep` (sorted row indices) and return them as
+    indices into the pruned rows (for `logits_to_keep`); None when nothing would be skipped."""
+    b = ctx.bounds
+    starts = torch.tensor(b[:-1], device=keep.device)
+    at = torch.searchsorted(keep, starts)  # each sequence's first kept index, if inside it
+    first = keep[at.clamp(max=len(keep) - 1)].tolist()
+    first = [f if a < len(keep) and s <= f < e else e
+             for a, f, s, e in zip(at.tolist(), first, b[:-1], b[1:])]
+    if sum(e - f for f, e in zip(first, b[1:])) == b[-1]:
+        return None
+    rows, sub = ctx.suffixes(first, keep.device)
+    ctx.last_rows = (rows, sub)
+    return torch.searchsorted(rows, keep)
+
+
+def _forward(original, hf):
+    """The last layer's forward: HF's own without `last_rows`, else the pruned one. `hf`: the
+    family's modeling module (its apply_rotary_pos_emb and attention registry)."""
+
+    def forward(self, hidden_states, *args, **kwargs):
+        ctx = kwargs.get(CTX_KWARG)
+        if ctx is None or ctx.last_rows is None:
+            return original(hidden_states, *args, **kwargs)
+        if args or kwargs.get("attention_mask") is not None:
+            raise ValueError("the pruned last layer takes a packed row: no attention mask")
+        rows, sub = ctx.last_rows
+        attn = self.self_attn
+        x = self.input_layernorm(hidden_states)
+        q = attn.q_proj(x[:, rows]).view(1, len(rows), -1, attn.head_dim)
+        k = attn.k_proj(x).view(1, x.shape[1], -1, attn.head_dim)
+        v = attn.v_proj(x).view(1, x.shape[1], -1, attn.head_dim)
+        if hasattr(attn, "q_norm"):  # Qwen3: per-head norms before the rotation
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        cos, sin = kwargs["position_embeddings"]
+        q = hf.apply_rotary_pos_emb(q, q, cos[:, rows], sin[:, rows])[0]
+        k = hf.apply_rotary_pos_emb(k, k, cos, sin)[1]
+        attend = hf.ALL_ATTENTION_FUNCTIONS[attn.config._attn_implementation]
+        out, _ = attend(attn, q, k, v, None, dropout=attn.attention_dropout if attn.training else 0.0,
+                        scaling=attn.scaling, sliding_window=getattr(attn, "sliding_window", None),
+                        **{CTX_KWARG: sub})
+        h = hidden_states[:, rows] + attn.o_proj(out.reshape(1, len(rows), -1))
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+    return forward

@@ -1,0 +1,125 @@
+"""The last decoder layer only at kept rows (RL2/workers/last_layer.py) == HF's whole layer."""
+import re
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from RL2.parallel.attention import PackedContext, packed_kwargs, register
+from RL2.tools.make_assets import ARCHS, build_tokenizer, tiny_config
+from RL2.utils import cpu_ops, small_gemm
+from RL2.workers import last_layer
+from tests.run_utils import assert_close, dpo_args, run_trainer, sft_args, train_rows
+
+# three sequences, the third continuing 12 prompt tokens of the second (a shared prompt); the
+# first has no kept row at all (a shared prefix's own sequence)
+BOUNDS, PREFIX = [0, 20, 50, 75], [0, 0, 12]
+KEEP = list(range(35, 49)) + list(range(60, 74)) + [52, 55]
+
+
+def _model(arch: str, dtype, **kw):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    cfg = tiny_config(build_tokenizer(), arch, **kw)
+    cfg._attn_implementation = register()
+    return AutoModelForCausalLM.from_config(cfg).to(dtype)
+
+
+def _run(model, keep, prune: bool):
+    """Logits at `keep` and every parameter's gradient of a fixed function of them."""
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, model.config.vocab_size, (BOUNDS[-1],), generator=g)
+    pos = torch.cat([torch.arange(e - s) + (p if p else 0)
+                     for s, e, p in zip(BOUNDS, BOUNDS[1:], PREFIX)])
+    ctx = PackedContext(torch.tensor(BOUNDS, dtype=torch.int32), 30, prefix_lens=PREFIX)
+    rows = last_layer.plan(ctx, keep) if prune else keep
+    assert (ctx.last_rows is not None) == prune and len(rows) == len(keep)
+    logits = model(input_ids=ids[None], position_ids=pos[None], use_cache=False,
+                   **packed_kwargs(ctx), logits_to_keep=rows).logits
+    up = torch.randn(logits.shape, generator=g, dtype=logits.dtype)
+    grads = torch.autograd.grad((logits * up).sum(), list(model.parameters()))
+    return [logits] + list(grads)
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_pruned_last_layer_equals_hfs_whole_layer(arch):
+    """Every family listed: logits at the kept rows and all gradients equal HF's own forward
+    (float64, to rounding), with a shared prompt and a sequence that keeps nothing."""
+    assert set(ARCHS) == set(last_layer.FAMILIES)  # a family added to the assets is listed here
+    model = _model(arch, torch.float64)
+    keep = torch.tensor(sorted(KEEP))
+    whole = _run(model, keep, prune=False)
+    assert last_layer.install(model)
+    pruned = _run(model, keep, prune=True)
+    for got, want in zip(pruned, whole):
+        assert torch.allclose(got, want, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.skipif(not small_gemm.available(), reason="RL2's AVX-512 kernel not built here")
+def test_pruned_last_layer_through_the_kernel():
+    """fp32 with 64-wide heads: the pruned layer's fewer queries than keys go through RL2's C
+    attention kernel (bottom-right mask) and match the whole layer to fp32 rounding."""
+    model = _model("qwen2", torch.float32, hidden=256, heads=4, kv_heads=2)
+    cpu_ops.use_for_model(model)
+    assert cpu_ops.use_attention(model) == 2
+    keep = torch.tensor(sorted(KEEP))
+    whole = _run(model, keep, prune=False)
+    assert last_layer.install(model)
+    calls = []
+    real = cpu_ops.causal_attention
+
+    def counting(q, k, *a):
+        calls.append((q.shape[2], k.shape[2]))
+        return real(q, k, *a)
+
+    cpu_ops.causal_attention = counting
+    try:
+        pruned = _run(model, keep, prune=True)
+    finally:
+        cpu_ops.causal_attention = real
+    # layer 0: every row with the shared prompt's keys; layer 1: the kept suffixes' rows (from
+    # 35 and 52 on: 15 + 23) over 30 + 12 + 25 keys, the first sequence keeping none
+    assert calls == [(75, 87), (38, 67)]
+    for got, want in zip(pruned, whole):
+        assert (got - want).abs().max() <= 1e-5 * max(1.0, want.abs().max())
+
+
+def test_plan_keeps_each_sequences_suffix_and_skips_when_that_is_all():
+    ctx = PackedContext(torch.tensor([0, 4, 9], dtype=torch.int32), 5)
+    assert last_layer.plan(ctx, torch.tensor([2, 3, 6, 8])).tolist() == [0, 1, 2, 4]
+    assert ctx.last_rows[0].tolist() == [2, 3, 6, 7, 8] and ctx.last_rows[1].bounds == [0, 2, 5]
+    ctx = PackedContext(torch.tensor([0, 4, 9], dtype=torch.int32), 5)
+    assert last_layer.plan(ctx, torch.tensor([0, 4, 8])) is None and ctx.last_rows is None
+
+
+def test_resolve_and_unknown_models():
+    cfg = OmegaConf.create({"prune_last_layer": "auto", "sp_size": 1})
+    assert last_layer.resolve(cfg, "cpu") and not last_layer.resolve(cfg, "cuda")
+    assert not last_layer.resolve(OmegaConf.create({"prune_last_layer": "auto", "sp_size": 2}), "cpu")
+    with pytest.raises(SystemExit, match="sp_size=1"):
+        last_layer.resolve(OmegaConf.create({"prune_last_layer": True, "sp_size": 2}), "cpu")
+    with pytest.raises(SystemExit, match="true, false or auto"):
+        last_layer.resolve(OmegaConf.create({"prune_last_layer": "yes", "sp_size": 1}), "cpu")
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50))
+    assert not last_layer.install(gpt2)
+
+
+@pytest.mark.parametrize("trainer", ["sft", "dpo"])
+def test_runs_with_the_pruned_layer_match_runs_without(assets, tmp_path, trainer):
+    """SFT (loss on responses only) and DPO (shared prompts): losses and gradient norms of runs
+    pruning the last layer equal those of runs that do not, and the pruned path really ran."""
+    args = sft_args if trainer == "sft" else dpo_args
+    runs = {}
+    for prune in ("true", "false"):
+        runs[prune] = tmp_path / prune
+        run = run_trainer(trainer, 1, args(assets, "actor.dtype=float64", f"actor.prune_last_layer={prune}"),
+                          runs[prune])
+        logged = re.search(r"the last layer at (\d+) of (\d+) rows", run.stderr)
+        assert (logged is not None) == (prune == "true")
+        if logged:  # it ran, on fewer rows
+            assert int(logged[1]) < int(logged[2])
+    for key in ("train/loss", "train/grad_norm"):
+        assert_close(train_rows(runs["true"], key), train_rows(runs["false"], key), 1e-9, key)

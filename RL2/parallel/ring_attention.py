@@ -244,45 +244,6 @@ def _heads(q, kv):
     return q.transpose(0, 1), kv[0].transpose(0, 1), kv[1].transpose(0, 1)
 
 
-def _visiting_blocks(bounds: tuple[int, ...], device) -> dict:
-    """`fused`: the blocks of K/V from another rank as one kernel call over all sequences, keyed
-    by whether that rank's chunks come first (`_step_block`): (query rows, query bounds, key
-    rows, key bounds), rows None for all of them. Earlier rank: every query sees key half 0;
-    later rank: query half 1 sees every key."""
-    firsts, seconds, cut = [], [], [0]  # cut: cumulative half lengths
-    for s, e in zip(bounds[:-1], bounds[1:]):
-        c = (e - s) // 2
-        firsts.append(torch.arange(s, s + c))
-        seconds.append(torch.arange(s + c, e))
-        cut.append(cut[-1] + c)
-    first, second = (torch.cat(x).to(device) for x in (firsts, seconds))
-    return {True: (None, list(bounds), first, cut), False: (second, cut, None, list(bounds))}
-
-
-def _rows(x, rows, dim=0):
-    return x if rows is None else x.index_select(dim, rows)
-
-
-def _add_rows(dst, rows, src):
-    if rows is None:
-        dst += src
-    else:
-        dst.index_add_(0, rows, src)
-
-
-def _merge(out, lse, rows, blk_out, blk_lse):
-    """Fold a block's (out, lse) into the running ones at `rows` (None: all), log-sum-exp style."""
-    old_lse = lse if rows is None else lse[:, rows]
-    new_lse = torch.logaddexp(old_lse, blk_lse)
-    w_old = torch.exp(old_lse - new_lse).T[..., None]
-    w_blk = torch.exp(blk_lse - new_lse).T[..., None]
-    if rows is None:
-        return out * w_old + blk_out * w_blk, new_lse
-    out[rows] = out[rows] * w_old + blk_out * w_blk
-    lse[:, rows] = new_lse
-    return out, lse
-
-
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, bounds, scale, group, host, fused):
@@ -295,20 +256,13 @@ class _RingAttention(torch.autograd.Function):
             out = torch.zeros(q.shape, dtype=cdt, device=q.device)
             lse = torch.full((H, T), float("-inf"), dtype=cdt, device=q.device)
         halves = _halves(bounds)
-        visiting = _visiting_blocks(bounds, q.device) if fused and sp > 1 else None
         kv = torch.stack([k, v]).to(cdt)
         for step in range(sp):
             pending = ring.shift(kv) if step < sp - 1 else None  # overlap comm with compute
-            src = (rank - step) % sp
-            (q_lo, q_hi), (k_lo, k_hi), causal = _step_block(rank, src)
-            if fused and step == 0:  # the own block: every local sequence, causal, one call
+            (q_lo, q_hi), (k_lo, k_hi), causal = _step_block(rank, (rank - step) % sp)
+            if step == 0 and fused:  # the own block: every local sequence, causal, one call
                 out, lse = attention_forward(*_heads(q32, kv), list(bounds), scale)
-            elif fused:  # a visiting block: every local sequence, unmasked, one call
-                q_rows, qb, k_rows, kb = visiting[src < rank]
-                blk = attention_forward(*_heads(_rows(q32, q_rows), _rows(kv, k_rows, 1)), qb,
-                                        scale, kb, causal=False)
-                out, lse = _merge(out, lse, q_rows, *blk)
-            for start, c in (() if fused else halves):
+            for start, c in (() if step == 0 and fused else halves):
                 qs = slice(start + q_lo * c, start + q_hi * c)
                 ks = slice(start + k_lo * c, start + k_hi * c)
                 blk_out, blk_lse = _block_forward(q32[qs], kv[0, ks], kv[1, ks], scale, causal)
@@ -337,29 +291,19 @@ class _RingAttention(torch.autograd.Function):
         dout, q32 = dout.to(cdt), q.to(cdt)
         dq = torch.zeros(q.shape, dtype=cdt, device=q.device)
         halves = _halves(ctx.bounds)
-        visiting = _visiting_blocks(ctx.bounds, q.device) if ctx.fused and sp > 1 else None
         kv = torch.stack([k, v]).to(cdt)
         incoming = None  # pending receipt of the dK/dV summed so far for the block held next
         for step in range(sp):
             pending = ring.shift(kv) if step < sp - 1 else None
-            src = (rank - step) % sp
-            (q_lo, q_hi), (k_lo, k_hi), causal = _step_block(rank, src)
+            (q_lo, q_hi), (k_lo, k_hi), causal = _step_block(rank, (rank - step) % sp)
             dkv = torch.zeros((2, *k.shape), dtype=cdt, device=k.device)  # this rank's share
-            if ctx.fused and step == 0:
+            if step == 0 and ctx.fused:
                 dq_b, dk_b, dv_b = attention_backward(dout, *_heads(q32, kv), out, lse,
                                                       list(ctx.bounds), scale)
                 dq += dq_b
                 dkv[0] += dk_b
                 dkv[1] += dv_b
-            elif ctx.fused:
-                q_rows, qb, k_rows, kb = visiting[src < rank]
-                dq_b, dk_b, dv_b = attention_backward(
-                    _rows(dout, q_rows), *_heads(_rows(q32, q_rows), _rows(kv, k_rows, 1)),
-                    _rows(out, q_rows), _rows(lse, q_rows, 1), qb, scale, kb, causal=False)
-                _add_rows(dq, q_rows, dq_b)
-                _add_rows(dkv[0], k_rows, dk_b)
-                _add_rows(dkv[1], k_rows, dv_b)
-            for start, c in (() if ctx.fused else halves):
+            for start, c in (() if step == 0 and ctx.fused else halves):
                 qs = slice(start + q_lo * c, start + q_hi * c)
                 ks = slice(start + k_lo * c, start + k_hi * c)
                 dq_b, dk_b, dv_b = _block_backward(dout[qs], q32[qs], kv[0, ks], kv[1, ks],

@@ -205,13 +205,12 @@ def use_for_model(model: torch.nn.Module) -> tuple[int, int]:
 
 
 # ----- attention -----
-def _attention_items(bounds: list[int], kbounds: list[int], heads: int,
-                     causal: bool = True) -> torch.Tensor:
+def _attention_items(bounds: list[int], kbounds: list[int], heads: int) -> torch.Tensor:
     """The kernel's work items (query head, sequence), the most work (query x key pairs)
     first: the dynamic schedule then ends on small items, whichever thread takes them."""
     n = len(bounds) - 1
-    lengths = [(bounds[s + 1] - bounds[s], kbounds[s + 1] - kbounds[s]) for s in range(n)]
-    work = [q * (2 * k - q) if causal else 2 * q * k for q, k in lengths]
+    work = [(bounds[s + 1] - bounds[s]) * (2 * (kbounds[s + 1] - kbounds[s]) - bounds[s + 1] + bounds[s])
+            for s in range(n)]
     order = sorted(range(n), key=lambda s: -work[s])
     return torch.tensor([h * n + s for s in order for h in range(heads)], dtype=torch.int64)
 
@@ -222,11 +221,11 @@ def _panel_floats(kbounds: list[int], d: int) -> int:
     return -(-longest // 32) * 32 * d
 
 
-def _schedule(bounds: list[int], kbounds: list[int] | None, heads: int, d: int, causal: bool):
+def _schedule(bounds: list[int], kbounds: list[int] | None, heads: int, d: int):
     """(bounds, key bounds as int64 tensors, work items, scratch floats per thread) of one call."""
     kbounds = bounds if kbounds is None else kbounds
     return (torch.tensor(bounds, dtype=torch.int64), torch.tensor(kbounds, dtype=torch.int64),
-            _attention_items(bounds, kbounds, heads, causal), _panel_floats(kbounds, d))
+            _attention_items(bounds, kbounds, heads), _panel_floats(kbounds, d))
 
 
 def _kernel_views(q3, k3, v3):
@@ -238,38 +237,36 @@ def _kernel_views(q3, k3, v3):
 
 
 def attention_forward(q3: torch.Tensor, k3: torch.Tensor, v3: torch.Tensor, bounds: list[int],
-                      scale: float, kbounds: list[int] | None = None,
-                      causal: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                      scale: float, kbounds: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernel's causal attention inside each [start, end) of `bounds` (0 to T): q3 (H, T, D),
     k3 and v3 (KH, TK, D) views with D contiguous -> out (T, H, D) and its log-sum-exp (H, T).
     `kbounds` (0 to TK; default `bounds`): each sequence's keys, at least as many as its queries;
-    with more, the causal mask is aligned to the bottom right (a shared prompt's gathered keys).
-    `causal` False: no mask, each sequence's queries see all of its (at least one) keys."""
+    with more, the causal mask is aligned to the bottom right (a shared prompt's gathered keys)."""
     lib = small_gemm.load()[0]
     q3, k3, v3 = _kernel_views(q3, k3, v3)
     (heads, T, D), kv_heads = q3.shape, k3.shape[0]
-    b, kb, items, cap = _schedule(bounds, kbounds, heads, D, causal)
+    b, kb, items, cap = _schedule(bounds, kbounds, heads, D)
     out, lse = q3.new_empty(T, heads, D), q3.new_empty(heads, T)
     # no more threads than work items: each thread gets scratch for the longest sequence
     threads = min(torch.get_num_threads(), items.numel())
     scratch = q3.new_empty(threads * cap)
     lib.rl2_attn_fwd(q3.data_ptr(), q3.stride(0), q3.stride(1), k3.data_ptr(), v3.data_ptr(),
                      k3.stride(0), k3.stride(1), heads, kv_heads, D, T, b.data_ptr(), kb.data_ptr(),
-                     items.data_ptr(), items.numel(), float(scale), int(not causal),
-                     scratch.data_ptr(), cap, out.data_ptr(), lse.data_ptr(), threads)
+                     items.data_ptr(), items.numel(), float(scale), scratch.data_ptr(), cap,
+                     out.data_ptr(), lse.data_ptr(), threads)
     return out, lse
 
 
 def attention_backward(dout: torch.Tensor, q3: torch.Tensor, k3: torch.Tensor, v3: torch.Tensor,
                        out: torch.Tensor, lse: torch.Tensor, bounds: list[int], scale: float,
-                       kbounds: list[int] | None = None, causal: bool = True):
+                       kbounds: list[int] | None = None):
     """dq (T, H, D), dk and dv (TK, KH, D) of `attention_forward`'s inputs for dout (T, H, D),
     given the out and lse the softmax is normalised with: its own, or a ring's final ones (then
     these are this block's shares, as in flash-attention's backward)."""
     lib = small_gemm.load()[0]
     q3, k3, v3 = _kernel_views(q3, k3, v3)
     (heads, T, D), (kv_heads, TK) = q3.shape, k3.shape[:2]
-    b, kb, items, cap = _schedule(bounds, kbounds, heads, D, causal)
+    b, kb, items, cap = _schedule(bounds, kbounds, heads, D)
     groups, threads = heads // kv_heads, min(torch.get_num_threads(), items.numel())
     dout, out, lse = dout.contiguous(), out.contiguous(), lse.contiguous()
     dq = q3.new_empty(T, heads, D)
@@ -278,8 +275,8 @@ def attention_backward(dout: torch.Tensor, q3: torch.Tensor, k3: torch.Tensor, v
     lib.rl2_attn_bwd(q3.data_ptr(), q3.stride(0), q3.stride(1), k3.data_ptr(), v3.data_ptr(),
                      k3.stride(0), k3.stride(1), out.data_ptr(), dout.data_ptr(), lse.data_ptr(),
                      heads, kv_heads, D, T, TK, b.data_ptr(), kb.data_ptr(), items.data_ptr(),
-                     items.numel(), float(scale), int(not causal), scratch.data_ptr(), cap,
-                     dq.data_ptr(), dk_part.data_ptr(), dv_part.data_ptr(), threads)
+                     items.numel(), float(scale), scratch.data_ptr(), cap, dq.data_ptr(),
+                     dk_part.data_ptr(), dv_part.data_ptr(), threads)
     if groups == 1:
         return dq, dk_part[0], dv_part[0]
     # each query head of a group added its share: sum them in head order

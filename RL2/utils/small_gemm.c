@@ -594,8 +594,7 @@ void rl2_glu_bwd(const float* g, const float* u, const float* dh, int64_t n, flo
  * most keys of a sequence rounded up to 32, times D). kbounds: where each sequence's keys lie
  * in k and v (`bounds` itself, or gathered keys of a shared prompt, TK rows): a sequence of L
  * queries and M >= L keys aligns its causal mask to the bottom right, so query row i sees keys
- * 0..M-L+i (flash-attention's rule for fewer queries than keys). full: no mask, any L and M > 0
- * (a ring attention block whose keys all precede its queries). */
+ * 0..M-L+i (flash-attention's rule for fewer queries than keys). */
 #define QB ROWS /* query rows per block: the panel pass's 12 */
 #define KP 32   /* keys per panel: two strips */
 
@@ -658,8 +657,8 @@ typedef void (*update_fn)(const float*, int64_t, int64_t, const float*, int64_t,
 void rl2_attn_fwd(const float* q, int64_t q_sh, int64_t q_st, const float* k, const float* v,
                   int64_t kv_sh, int64_t kv_st, int64_t H, int64_t KH, int64_t D, int64_t T,
                   const int64_t* bounds, const int64_t* kbounds, const int64_t* items,
-                  int64_t n_items, float scale, int full, float* scratch, int64_t cap, float* out,
-                  float* lse, int threads) {
+                  int64_t n_items, float scale, float* scratch, int64_t cap, float* out, float* lse,
+                  int threads) {
   update_fn update = D == 64 ? rank_update_64 : rank_update_128;
   int64_t n_seq = n_items / H, G = H / KH;
 #pragma omp parallel num_threads(threads)
@@ -670,8 +669,7 @@ void rl2_attn_fwd(const float* q, int64_t q_sh, int64_t q_st, const float* k, co
     for (int64_t it = 0; it < n_items; it++) {
       int64_t h = items[it] / n_seq, sq = items[it] % n_seq, kh = h / G;
       int64_t s = bounds[sq], L = bounds[sq + 1] - s, ks = kbounds[sq], M = kbounds[sq + 1] - ks;
-      /* row i sees keys up to off + i: bottom-right causal, or (full) every key */
-      int64_t off = full ? M : M - L, np = (M + KP - 1) / KP;
+      int64_t off = M - L, np = (M + KP - 1) / KP; /* row i sees keys up to off + i */
       if (L <= 0) continue;
       const float *kb = k + kh * kv_sh + ks * kv_st, *vb = v + kh * kv_sh + ks * kv_st;
       for (int64_t p = 0; p < np; p++)
@@ -681,7 +679,7 @@ void rl2_attn_fwd(const float* q, int64_t q_sh, int64_t q_st, const float* k, co
         load_rows(q + h * q_sh + s * q_st, q_st, i0, R, D, scale, Qb);
         for (int64_t r = 0; r < QB; r++) { m[r] = -INFINITY; l[r] = 0.0f; }
         for (int64_t x = 0; x < QB * D; x++) Ob[x] = 0.0f;
-        int64_t last = off + i0 + R - 1 < M - 1 ? off + i0 + R - 1 : M - 1; /* keys up to it */
+        int64_t last = off + i0 + R - 1; /* the block's last row: keys up to it */
         for (int64_t p = 0; p * KP <= last; p++) {
           int64_t j0 = p * KP, n = last + 1 - j0 < KP ? last + 1 - j0 : KP;
           tile(Qb, panels + p * KP * D, D, S);
@@ -736,7 +734,7 @@ void rl2_attn_bwd(const float* q, int64_t q_sh, int64_t q_st, const float* k, co
                   int64_t kv_sh, int64_t kv_st, const float* out, const float* dout,
                   const float* lse, int64_t H, int64_t KH, int64_t D, int64_t T, int64_t TK,
                   const int64_t* bounds, const int64_t* kbounds, const int64_t* items,
-                  int64_t n_items, float scale, int full, float* scratch, int64_t cap, float* dq,
+                  int64_t n_items, float scale, float* scratch, int64_t cap, float* dq,
                   float* dk_part, float* dv_part,
                   int threads) {
   update_fn update = D == 64 ? rank_update_64 : rank_update_128;
@@ -750,7 +748,7 @@ void rl2_attn_bwd(const float* q, int64_t q_sh, int64_t q_st, const float* k, co
     for (int64_t it = 0; it < n_items; it++) {
       int64_t h = items[it] / n_seq, sq = items[it] % n_seq, kh = h / G;
       int64_t s = bounds[sq], L = bounds[sq + 1] - s, ks = kbounds[sq], M = kbounds[sq + 1] - ks;
-      int64_t off = full ? M : M - L, np = (M + KP - 1) / KP;
+      int64_t off = M - L, np = (M + KP - 1) / KP;
       if (L <= 0) continue;
       const float *kb = k + kh * kv_sh + ks * kv_st, *vb = v + kh * kv_sh + ks * kv_st;
       for (int64_t p = 0; p < np; p++) {
@@ -775,7 +773,7 @@ void rl2_attn_bwd(const float* q, int64_t q_sh, int64_t q_st, const float* k, co
           delta[r] = _mm512_reduce_add_ps(acc);
           ls[r] = lse[h * T + s + i0 + r];
         }
-        int64_t last = off + i0 + R - 1 < M - 1 ? off + i0 + R - 1 : M - 1;
+        int64_t last = off + i0 + R - 1;
         for (int64_t p = 0; p * KP <= last; p++) {
           int64_t j0 = p * KP, n = last + 1 - j0 < KP ? last + 1 - j0 : KP;
           tile(Qb, kpan + p * KP * D, D, S);

@@ -162,11 +162,10 @@ def load():
         lib.rl2_rms_norm_bwd.argtypes = [p, p, p, p, i, i, p, p, p, ctypes.c_int]
         lib.rl2_glu_fwd.argtypes = [p, p, i, p, ctypes.c_int]
         lib.rl2_glu_bwd.argtypes = [p, p, p, i, p, p, ctypes.c_int]
-        c_int = ctypes.c_int
-        lib.rl2_attn_fwd.argtypes = [p, i, i, p, p, i, i, i, i, i, i, p, p, p, i, f, c_int, p, i, p,
-                                     p, c_int]
-        lib.rl2_attn_bwd.argtypes = [p, i, i, p, p, i, i, p, p, p, i, i, i, i, i, p, p, p, i, f,
-                                     c_int, p, i, p, p, p, c_int]
+        lib.rl2_attn_fwd.argtypes = [p, i, i, p, p, i, i, i, i, i, i, p, p, p, i, f, p, i, p, p,
+                                     ctypes.c_int]
+        lib.rl2_attn_bwd.argtypes = [p, i, i, p, p, i, i, p, p, p, i, i, i, i, i, p, p, p, i, f, p,
+                                     i, p, p, p, ctypes.c_int]
         lib.rl2_attn_sum.argtypes = [p, i, i, p, ctypes.c_int]
         lib.rl2_transpose.argtypes = [p, i, i, i, p, i, ctypes.c_int]
         for fn in (lib.rl2_rms_norm, lib.rl2_silu_mul, lib.rl2_rope, lib.rl2_rms_norm_fwd,

@@ -107,16 +107,18 @@ def test_resolve_and_unknown_models():
     assert not last_layer.install(gpt2)
 
 
-@pytest.mark.parametrize("trainer", ["sft", "dpo"])
-def test_runs_with_the_pruned_layer_match_runs_without(assets, tmp_path, trainer):
-    """SFT (loss on responses only) and DPO (shared prompts): losses and gradient norms of runs
-    pruning the last layer equal those of runs that do not, and the pruned path really ran."""
+@pytest.mark.parametrize("trainer,nproc", [("sft", 1), ("dpo", 1), ("dpo", 2), ("sft", 2)])
+def test_runs_with_the_pruned_layer_match_runs_without(assets, tmp_path, trainer, nproc):
+    """SFT (loss on responses only) and DPO (shared prompts), on one rank (a plain module) and
+    on two (FSDP's subclass of the layer; with tp_size=2 for SFT): losses and gradient norms of
+    runs pruning the last layer equal those of runs that do not, and the pruned path ran."""
     args = sft_args if trainer == "sft" else dpo_args
+    extra = ["actor.tp_size=2"] if trainer == "sft" and nproc == 2 else []
     runs = {}
     for prune in ("true", "false"):
         runs[prune] = tmp_path / prune
-        run = run_trainer(trainer, 1, args(assets, "actor.dtype=float64", f"actor.prune_last_layer={prune}"),
-                          runs[prune])
+        run = run_trainer(trainer, nproc, args(assets, "actor.dtype=float64", *extra,
+                                               f"actor.prune_last_layer={prune}"), runs[prune])
         logged = re.search(r"the last layer at (\d+) of (\d+) rows", run.stderr)
         assert (logged is not None) == (prune == "true")
         if logged:  # it ran, on fewer rows

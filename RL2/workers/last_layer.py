@@ -49,9 +49,8 @@ def install(model: torch.nn.Module) -> bool:
     layer = decoder_layers(model)[-1]
     attn = getattr(layer, "self_attn", None)
     own = f"transformers.models.{family}.modeling_{family}"
-    # the forward it runs (FSDP's subclass adds hooks, not a forward)
-    cls = next((c for c in type(layer).__mro__ if "forward" in c.__dict__), None)
-    if cls is None or cls.__module__ != own or attn is None or not all(
+    # the forward it runs: the family's own (FSDP's subclass of the layer holds that same one)
+    if getattr(type(layer).forward, "__module__", None) != own or attn is None or not all(
             hasattr(attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "scaling")):
         return False  # remote code, or a layer shaped otherwise
     layer.forward = types.MethodType(_forward(layer.forward, sys.modules[own]), layer)

@@ -11,10 +11,10 @@ from RL2.utils import cpu_ops, small_gemm
 from RL2.workers import last_layer
 from tests.run_utils import assert_close, dpo_args, run_trainer, sft_args, train_rows
 
-# three sequences, the third continuing 12 prompt tokens of the second (a shared prompt); the
-# first has no kept row at all (a shared prefix's own sequence)
-BOUNDS, PREFIX = [0, 20, 50, 75], [0, 0, 12]
-KEEP = list(range(35, 49)) + list(range(60, 74)) + [52, 55]
+# a GRPO-like group (a prefix-only root that keeps nothing, a response continuing 12 of its
+# tokens) and a DPO-like pair (a chosen side with kept rows, a rejected side continuing 10)
+BOUNDS, PREFIX = [0, 20, 50, 75, 100], [0, 12, 0, 10]
+KEEP = list(range(35, 49)) + [52, 55] + list(range(60, 74)) + list(range(85, 99))
 
 
 def _model(arch: str, dtype, **kw):
@@ -26,13 +26,14 @@ def _model(arch: str, dtype, **kw):
     return AutoModelForCausalLM.from_config(cfg).to(dtype)
 
 
-def _run(model, keep, prune: bool):
+def _run(model, keep, prune: bool, grad_ckpt: bool = False):
     """Logits at `keep` and every parameter's gradient of a fixed function of them."""
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, model.config.vocab_size, (BOUNDS[-1],), generator=g)
     pos = torch.cat([torch.arange(e - s) + (p if p else 0)
                      for s, e, p in zip(BOUNDS, BOUNDS[1:], PREFIX)])
     ctx = PackedContext(torch.tensor(BOUNDS, dtype=torch.int32), 30, prefix_lens=PREFIX)
+    model.train(grad_ckpt)
     rows = last_layer.plan(ctx, keep) if prune else keep
     assert (ctx.last_rows is not None) == prune and len(rows) == len(keep)
     logits = model(input_ids=ids[None], position_ids=pos[None], use_cache=False,
@@ -45,7 +46,7 @@ def _run(model, keep, prune: bool):
 @pytest.mark.parametrize("arch", sorted(ARCHS))
 def test_pruned_last_layer_equals_hfs_whole_layer(arch):
     """Every family listed: logits at the kept rows and all gradients equal HF's own forward
-    (float64, to rounding), with a shared prompt and a sequence that keeps nothing."""
+    (float64, to rounding), with shared prompts and a sequence that keeps nothing."""
     assert set(ARCHS) == set(last_layer.FAMILIES)  # a family added to the assets is listed here
     model = _model(arch, torch.float64)
     keep = torch.tensor(sorted(KEEP))
@@ -78,19 +79,48 @@ def test_pruned_last_layer_through_the_kernel():
         pruned = _run(model, keep, prune=True)
     finally:
         cpu_ops.causal_attention = real
-    # layer 0: every row with the shared prompt's keys; layer 1: the kept suffixes' rows (from
-    # 35 and 52 on: 15 + 23) over 30 + 12 + 25 keys, the first sequence keeping none
-    assert calls == [(75, 87), (38, 67)]
+    # layer 0: every row over the gathered keys (100 + 12 + 10); layer 1: the kept suffixes
+    # (from 35, 52 and 85 on: 15 + 23 + 15 rows) over 12 + 30, 25 and 10 + 25 keys, the
+    # prefix-only root left out
+    assert calls == [(100, 122), (53, 102)]
     for got, want in zip(pruned, whole):
         assert (got - want).abs().max() <= 1e-5 * max(1.0, want.abs().max())
 
 
 def test_plan_keeps_each_sequences_suffix_and_skips_when_that_is_all():
-    ctx = PackedContext(torch.tensor([0, 4, 9], dtype=torch.int32), 5)
+    # an empty sequence, then [0, 4) and [4, 9)
+    ctx = PackedContext(torch.tensor([0, 0, 4, 9], dtype=torch.int32), 5)
     assert last_layer.plan(ctx, torch.tensor([2, 3, 6, 8])).tolist() == [0, 1, 2, 4]
-    assert ctx.last_rows[0].tolist() == [2, 3, 6, 7, 8] and ctx.last_rows[1].bounds == [0, 2, 5]
+    rows, sub = ctx.last_rows
+    assert rows.tolist() == [2, 3, 6, 7, 8] and sub.bounds == [0, 2, 5]
+    assert sub.keys("cpu")[0].tolist() == list(range(9)) and sub.keys("cpu")[1] == [0, 4, 9]
     ctx = PackedContext(torch.tensor([0, 4, 9], dtype=torch.int32), 5)
     assert last_layer.plan(ctx, torch.tensor([0, 4, 8])) is None and ctx.last_rows is None
+    # a padding micro-batch's stand-in row 0: its sequence whole, the other left out
+    ctx = PackedContext(torch.tensor([0, 4, 9], dtype=torch.int32), 5)
+    assert last_layer.plan(ctx, torch.tensor([0])).tolist() == [0]
+    assert ctx.last_rows[0].tolist() == [0, 1, 2, 3] and ctx.last_rows[1].bounds == [0, 4]
+    # a tail's keys: its root's first 3 rows, then its own
+    ctx = PackedContext(torch.tensor([0, 4, 9], dtype=torch.int32), 5, prefix_lens=[0, 3])
+    assert last_layer.plan(ctx, torch.tensor([7, 8])).tolist() == [0, 1]
+    assert ctx.last_rows[1].keys("cpu")[0].tolist() == [0, 1, 2, 4, 5, 6, 7, 8]
+
+
+def test_pruned_last_layer_under_gradient_checkpointing():
+    """HF's activation checkpointing wraps the layer's own forward; the pruned one recomputes
+    too (the checkpoint function is called for it) and gives the same logits and gradients."""
+    model = _model("llama", torch.float64)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    keep = torch.tensor(sorted(KEEP))
+    whole = _run(model, keep, prune=False, grad_ckpt=True)
+    assert last_layer.install(model)
+    layer = model.model.layers[-1]
+    calls, real = [], layer._gradient_checkpointing_func
+    layer._gradient_checkpointing_func = lambda *a, **k: calls.append(1) or real(*a, **k)
+    pruned = _run(model, keep, prune=True, grad_ckpt=True)
+    assert calls == [1]
+    for got, want in zip(pruned, whole):
+        assert torch.allclose(got, want, rtol=1e-10, atol=1e-12)
 
 
 def test_resolve_and_unknown_models():

@@ -98,7 +98,8 @@ class PackedContext:
     def suffixes(self, first: list[int], device) -> tuple[torch.Tensor, "PackedContext"]:
         """Queries from row first[i] to the end of each sequence i (first[i] = its end: none),
         keys as before: (the query rows, a context for them whose `keys` index this one's rows).
-        A sequence without queries keeps no keys (the kernel's rule)."""
+        A sequence without queries is left out (the kernel takes no keys without queries, and
+        flash-attn's one-query-per-sequence path no empty sequence)."""
         b = self.bounds
         if self.prefix_lens:
             self.keys(device)  # checks every prefix against its root
@@ -106,10 +107,9 @@ class PackedContext:
         for j, (s, e, f) in enumerate(zip(b[:-1], b[1:], first)):
             p = self.prefix_lens[j] if self.prefix_lens else 0
             root = j if not p else root
-            cu_q.append(cu_q[-1] + e - f)
             if f == e:
-                cu_k.append(cu_k[-1])
                 continue
+            cu_q.append(cu_q[-1] + e - f)
             rows.append(torch.arange(f, e))
             if p:  # validated by `keys` above
                 keys.append(torch.arange(b[root], b[root] + p))

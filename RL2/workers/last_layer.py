@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import sys
 import types
+from functools import partial
 
 import torch
 
-from RL2.parallel.attention import CTX_KWARG, PackedContext
+from RL2.parallel.attention import CTX_KWARG, NAME, PackedContext
 from RL2.parallel.fsdp import decoder_layers
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
@@ -44,8 +45,8 @@ def install(model: torch.nn.Module) -> bool:
     """Give the last decoder layer the pruned forward (used when a call's PackedContext carries
     `last_rows`); False, and nothing changed, for a model this module does not know."""
     family = getattr(model.config, "model_type", None)
-    if family not in FAMILIES:
-        return False
+    if family not in FAMILIES or model.config._attn_implementation != NAME:
+        return False  # other attention functions would not read the pruned context
     layer = decoder_layers(model)[-1]
     attn = getattr(layer, "self_attn", None)
     own = f"transformers.models.{family}.modeling_{family}"
@@ -83,7 +84,13 @@ def _forward(original, hf):
             return original(hidden_states, *args, **kwargs)
         if args or kwargs.get("attention_mask") is not None:
             raise ValueError("the pruned last layer takes a packed row: no attention mask")
-        rows, sub = ctx.last_rows
+        if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
+            # as transformers' GradientCheckpointingLayer does for the whole forward
+            return self._gradient_checkpointing_func(partial(pruned, self, **kwargs), hidden_states)
+        return pruned(self, hidden_states, **kwargs)
+
+    def pruned(self, hidden_states, **kwargs):
+        rows, sub = kwargs[CTX_KWARG].last_rows
         attn = self.self_attn
         x = self.input_layernorm(hidden_states)
         q = attn.q_proj(x[:, rows]).view(1, len(rows), -1, attn.head_dim)
@@ -93,12 +100,14 @@ def _forward(original, hf):
             q, k = attn.q_norm(q), attn.k_norm(k)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         cos, sin = kwargs["position_embeddings"]
-        q = hf.apply_rotary_pos_emb(q, q, cos[:, rows], sin[:, rows])[0]
-        k = hf.apply_rotary_pos_emb(k, k, cos, sin)[1]
+        # the family's rotation takes a q and a k of one length: each rides with one head of itself
+        q = hf.apply_rotary_pos_emb(q, q[:, :1], cos[:, rows], sin[:, rows])[0]
+        k = hf.apply_rotary_pos_emb(k[:, :1], k, cos, sin)[1]
         attend = hf.ALL_ATTENTION_FUNCTIONS[attn.config._attn_implementation]
+        # Qwen2 sets a window per layer; Mistral's attention passes its config's
+        window = getattr(attn, "sliding_window", getattr(attn.config, "sliding_window", None))
         out, _ = attend(attn, q, k, v, None, dropout=attn.attention_dropout if attn.training else 0.0,
-                        scaling=attn.scaling, sliding_window=getattr(attn, "sliding_window", None),
-                        **{CTX_KWARG: sub})
+                        scaling=attn.scaling, sliding_window=window, **{CTX_KWARG: sub})
         h = hidden_states[:, rows] + attn.o_proj(out.reshape(1, len(rows), -1))
         return h + self.mlp(self.post_attention_layernorm(h))
 

@@ -104,6 +104,9 @@ class Worker:
         # ... and the last layer only at those rows (its keys and values everywhere)
         self.prune_last_layer = (self.logits_for_actions_only and last_layer.resolve(cfg, device)
                                  and last_layer.install(self.model))
+        if cfg.get("prune_last_layer") is True and not self.prune_last_layer:
+            logger.warning("prune_last_layer=true: not applied (%s)", "a value model" if value_head
+                           else "a model family or forward last_layer.py does not know")
         self._pruned_logged = False
         # pairs (DPO, RM: `flatten_pairs`) and samples that repeat an earlier one's first tokens
         # (`plan`) compute them once; the PPO critic reads values at prompt tokens of every

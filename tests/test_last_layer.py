@@ -137,7 +137,9 @@ def test_resolve_and_unknown_models():
     assert not last_layer.install(gpt2)
 
 
-@pytest.mark.parametrize("trainer,nproc", [("sft", 1), ("dpo", 1), ("dpo", 2), ("sft", 2)])
+@pytest.mark.parametrize("trainer,nproc", [("sft", 1), ("dpo", 1),
+                                           pytest.param("dpo", 2, marks=pytest.mark.slow),
+                                           pytest.param("sft", 2, marks=pytest.mark.slow)])
 def test_runs_with_the_pruned_layer_match_runs_without(assets, tmp_path, trainer, nproc):
     """SFT (loss on responses only) and DPO (shared prompts), on one rank (a plain module) and
     on two (FSDP's subclass of the layer; with tp_size=2 for SFT): losses and gradient norms of

@@ -13,6 +13,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from RL2.utils.config import resolve_cpu_auto
+
 
 @dataclass
 class MicroBatch:
@@ -68,17 +70,9 @@ MIN_SHARED_TOKENS = 4  # shorter common prefixes are not worth tying samples to 
 
 def resolve_share_prompt(worker_cfg, device: str) -> bool:
     """`share_prompt`: true, false or auto. auto = on where it has run, the CPU; CUDA's path
-    (flash-attn over gathered keys) is written but has not run, so there it needs `true`. Ring
-    attention cannot split a sequence that continues another (sp_size > 1)."""
-    choice = worker_cfg.get("share_prompt", False)
-    if choice not in (True, False, "auto"):
-        raise SystemExit(f"share_prompt={choice!r}: use true, false or auto")
-    if choice == "auto":
-        return device == "cpu" and worker_cfg.sp_size == 1
-    if choice and worker_cfg.sp_size > 1:
-        raise SystemExit(f"share_prompt=true needs sp_size=1 (got {worker_cfg.sp_size}): ring "
-                         "attention cannot split a sequence that continues another's prompt")
-    return choice
+    (flash-attn over gathered keys) is written but has not run, so there it needs `true`."""
+    return resolve_cpu_auto(worker_cfg, "share_prompt", device, "ring attention cannot split a "
+                            "sequence that continues another's prompt")
 
 
 def shared_length(first: dict, second: dict) -> int:

@@ -101,27 +101,23 @@ class PackedContext:
         A sequence without queries is left out (the kernel takes no keys without queries, and
         flash-attn's one-query-per-sequence path no empty sequence)."""
         b = self.bounds
-        if self.prefix_lens:
-            self.keys(device)  # checks every prefix against its root
-        rows, keys, cu_q, cu_k, root = [], [], [0], [0], None
+        # each sequence's keys as they are now: its slice of `keys`, or its own rows
+        index, kb = self.keys(device)[:2] if self.prefix_lens else (None, b)
+        rows, keys, cu_q, cu_k = [], [], [0], [0]
         for j, (s, e, f) in enumerate(zip(b[:-1], b[1:], first)):
-            p = self.prefix_lens[j] if self.prefix_lens else 0
-            root = j if not p else root
             if f == e:
                 continue
             cu_q.append(cu_q[-1] + e - f)
-            rows.append(torch.arange(f, e))
-            if p:  # validated by `keys` above
-                keys.append(torch.arange(b[root], b[root] + p))
-            keys.append(torch.arange(s, e))
-            cu_k.append(cu_k[-1] + p + e - s)
+            rows.append(torch.arange(f, e, device=device))
+            keys.append(torch.arange(s, e, device=device) if index is None else index[kb[j]:kb[j + 1]])
+            cu_k.append(cu_k[-1] + kb[j + 1] - kb[j])
         sub = PackedContext(torch.tensor(cu_q, dtype=torch.int32, device=device),
                             max(e - s for s, e in zip(cu_q[:-1], cu_q[1:])))
         sub._bounds = cu_q
-        sub._keys = (torch.cat(keys).to(device), cu_k,
+        sub._keys = (torch.cat(keys), cu_k,
                      torch.tensor(cu_k, dtype=torch.int32, device=device),
                      max(e - s for s, e in zip(cu_k[:-1], cu_k[1:])))
-        return torch.cat(rows).to(device), sub
+        return torch.cat(rows), sub
 
 
 def packed_kwargs(ctx: PackedContext) -> dict:

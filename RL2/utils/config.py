@@ -36,6 +36,19 @@ def check_choice(value: str, key: str, choices: tuple) -> str:
     return value
 
 
+def resolve_cpu_auto(worker_cfg, key: str, device: str, ring_reason: str) -> bool:
+    """A worker flag of true, false or auto, where auto = on only where its path has run (the
+    CPU) and never with ring attention (sp_size > 1), which `true` then refuses."""
+    choice = worker_cfg.get(key, "auto")
+    if choice not in (True, False, "auto"):
+        raise SystemExit(f"{key}={choice!r}: use true, false or auto")
+    if choice == "auto":
+        return device == "cpu" and worker_cfg.sp_size == 1
+    if choice and worker_cfg.sp_size > 1:
+        raise SystemExit(f"{key}=true needs sp_size=1 (got {worker_cfg.sp_size}): {ring_reason}")
+    return choice
+
+
 def check_optimizer_config(cfg: DictConfig) -> None:
     """Optimizer keys of every worker section, checked before any model is built. Raises
     SystemExit naming each bad key and what to use."""

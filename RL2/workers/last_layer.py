@@ -24,6 +24,7 @@ import torch
 
 from RL2.parallel.attention import CTX_KWARG, NAME, PackedContext
 from RL2.parallel.fsdp import decoder_layers
+from RL2.utils.config import resolve_cpu_auto
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -31,14 +32,8 @@ FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 def resolve(worker_cfg, device: str) -> bool:
     """`prune_last_layer`: true, false or auto (on where it has run, the CPU; CUDA's attention
     over fewer queries than keys, flash-attn's bottom-right mask, has not run here)."""
-    choice = worker_cfg.get("prune_last_layer", "auto")
-    if choice not in (True, False, "auto"):
-        raise SystemExit(f"prune_last_layer={choice!r}: use true, false or auto")
-    if choice == "auto":
-        return device == "cpu" and worker_cfg.sp_size == 1
-    if choice and worker_cfg.sp_size > 1:
-        raise SystemExit(f"prune_last_layer=true needs sp_size=1 (got {worker_cfg.sp_size})")
-    return choice
+    return resolve_cpu_auto(worker_cfg, "prune_last_layer", device,
+                            "ring attention's shards would need the pruned rows split again")
 
 
 def install(model: torch.nn.Module) -> bool:

@@ -58,6 +58,7 @@ class Worker:
         self.cfg, self.device, self.value_head, self.train = cfg, device, value_head, train
         self.dims = ParallelDims(dist.get_world_size(), cfg.ddp_size, cfg.tp_size, cfg.sp_size, device)
         self.compute_dtype = resolve_dtype(cfg.dtype, device)
+        prune = last_layer.resolve(cfg, device)  # a bad value stops the run before loading
         choice = check_choice(cfg.get("cpu_matmul", "auto"), "cpu_matmul", onednn.CHOICES)
         cpu_matmul = onednn.resolve(choice)
         if choice == "auto" and device == "cpu":
@@ -102,7 +103,7 @@ class Worker:
         self.config = self.model.config
         self.logits_for_actions_only = not value_head and takes_positions_to_keep(self.model)
         # ... and the last layer only at those rows (its keys and values everywhere)
-        self.prune_last_layer = (self.logits_for_actions_only and last_layer.resolve(cfg, device)
+        self.prune_last_layer = (self.logits_for_actions_only and prune
                                  and last_layer.install(self.model))
         if cfg.get("prune_last_layer") is True and not self.prune_last_layer:
             logger.warning("prune_last_layer=true: not applied (%s)", "a value model" if value_head

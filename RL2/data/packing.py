@@ -71,8 +71,9 @@ MIN_SHARED_TOKENS = 4  # shorter common prefixes are not worth tying samples to 
 def resolve_share_prompt(worker_cfg, device: str) -> bool:
     """`share_prompt`: true, false or auto. auto = on where it has run, the CPU; CUDA's path
     (flash-attn over gathered keys) is written but has not run, so there it needs `true`."""
+    # off where a trainer's config has no such key (SFT)
     return resolve_cpu_auto(worker_cfg, "share_prompt", device, "ring attention cannot split a "
-                            "sequence that continues another's prompt")
+                            "sequence that continues another's prompt", default=False)
 
 
 def shared_length(first: dict, second: dict) -> int:

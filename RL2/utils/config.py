@@ -36,10 +36,11 @@ def check_choice(value: str, key: str, choices: tuple) -> str:
     return value
 
 
-def resolve_cpu_auto(worker_cfg, key: str, device: str, ring_reason: str) -> bool:
-    """A worker flag of true, false or auto, where auto = on only where its path has run (the
-    CPU) and never with ring attention (sp_size > 1), which `true` then refuses."""
-    choice = worker_cfg.get(key, "auto")
+def resolve_cpu_auto(worker_cfg, key: str, device: str, ring_reason: str, default="auto") -> bool:
+    """A worker flag of true, false or auto (`default` where the config has no such key), where
+    auto = on only where its path has run (the CPU) and never with ring attention (sp_size > 1),
+    which `true` then refuses."""
+    choice = worker_cfg.get(key, default)
     if choice not in (True, False, "auto"):
         raise SystemExit(f"{key}={choice!r}: use true, false or auto")
     if choice == "auto":

@@ -286,7 +286,8 @@ def fake_flash_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
     """flash_attn_varlen_func of flash-attn 2.8.3 on the CPU: refuses what mha_varlen_fwd
     refuses (csrc/flash_attn/flash_api.cpp: fp16/bf16, one dtype, int32 contiguous cu_seqlens of
     batch+1 entries on q's device, last dims contiguous, (total, heads, head_dim) with head_dim a
-    multiple of 8 up to 256, query heads a multiple of K/V heads); its kernel's grid covers
+    multiple of 8 up to 256, query heads a multiple of K/V heads, and with max_seqlen_q = 1 and
+    more query than K/V heads exactly one query per sequence); its kernel's grid covers
     max_seqlen rows per sequence only, so a smaller one is refused too. Computes each sequence's
     causal attention with SDPA in fp32; with fewer queries than keys the causal mask is aligned
     to the bottom right (the function's docstring: seqlen_q = 2, seqlen_k = 5 keeps 1 1 1 1 0 /
@@ -301,6 +302,10 @@ def fake_flash_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
     assert int(cu_seqlens_q[-1]) == total and int(cu_seqlens_k[-1]) == total_k
     assert max_seqlen_q >= int(cu_seqlens_q.diff().max()) and max_seqlen_k >= int(cu_seqlens_k.diff().max())
     assert causal and dropout_p == 0.0
+    if max_seqlen_q == 1 and heads > heads_k:
+        # mha_varlen_fwd's one-query path (no window, no dropout) reshapes q to (batch, heads_k,
+        # groups, d): every sequence must have exactly one query, none may be empty
+        assert total == cu_seqlens_q.numel() - 1, "one-query path: a sequence without a query"
     out = torch.empty_like(q)
     for s, e, sk, ek in zip(cu_seqlens_q[:-1].tolist(), cu_seqlens_q[1:].tolist(),
                             cu_seqlens_k[:-1].tolist(), cu_seqlens_k[1:].tolist()):

@@ -26,19 +26,23 @@ def _model(arch: str, dtype, **kw):
     return AutoModelForCausalLM.from_config(cfg).to(dtype)
 
 
-def _run(model, keep, prune: bool, grad_ckpt: bool = False):
-    """Logits at `keep` and every parameter's gradient of a fixed function of them."""
+def _logits(model, keep, prune: bool):
+    """Logits at `keep` of a fixed packed row (BOUNDS, PREFIX), pruning the last layer or not."""
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, model.config.vocab_size, (BOUNDS[-1],), generator=g)
-    pos = torch.cat([torch.arange(e - s) + (p if p else 0)
-                     for s, e, p in zip(BOUNDS, BOUNDS[1:], PREFIX)])
+    pos = torch.cat([torch.arange(e - s) + p for s, e, p in zip(BOUNDS, BOUNDS[1:], PREFIX)])
     ctx = PackedContext(torch.tensor(BOUNDS, dtype=torch.int32), 30, prefix_lens=PREFIX)
-    model.train(grad_ckpt)
     rows = last_layer.plan(ctx, keep) if prune else keep
     assert (ctx.last_rows is not None) == prune and len(rows) == len(keep)
-    logits = model(input_ids=ids[None], position_ids=pos[None], use_cache=False,
-                   **packed_kwargs(ctx), logits_to_keep=rows).logits
-    up = torch.randn(logits.shape, generator=g, dtype=logits.dtype)
+    return model(input_ids=ids[None], position_ids=pos[None], use_cache=False,
+                 **packed_kwargs(ctx), logits_to_keep=rows).logits
+
+
+def _run(model, keep, prune: bool, grad_ckpt: bool = False):
+    """Logits at `keep` and every parameter's gradient of a fixed function of them."""
+    model.train(grad_ckpt)
+    logits = _logits(model, keep, prune)
+    up = torch.randn(logits.shape, generator=torch.Generator().manual_seed(2), dtype=logits.dtype)
     grads = torch.autograd.grad((logits * up).sum(), list(model.parameters()))
     return [logits] + list(grads)
 
@@ -85,6 +89,37 @@ def test_pruned_last_layer_through_the_kernel():
     assert calls == [(100, 122), (53, 102)]
     for got, want in zip(pruned, whole):
         assert (got - want).abs().max() <= 1e-5 * max(1.0, want.abs().max())
+
+
+@pytest.mark.parametrize("keep", [KEEP, [49, 74, 99]], ids=["suffixes", "one-query"])
+def test_pruned_last_layer_through_flash_attn(monkeypatch, keep):
+    """The CUDA branch: bf16 through a fake of flash-attn 2.8.3's varlen function that enforces
+    its kernel's checks (tests/test_attention.py). The pruned layer hands it fewer queries than
+    keys; keeping one row per sequence with more query than K/V heads takes flash-attn's
+    one-query path, which refuses a sequence without queries (the root is left out)."""
+    from RL2.parallel import attention
+    from tests.test_attention import fake_flash_varlen
+
+    model = _model("qwen2", torch.bfloat16, hidden=64, heads=4, kv_heads=2)
+    keep = torch.tensor(sorted(keep))
+    with torch.no_grad():
+        whole = _logits(model, keep, prune=False)
+        calls = []
+        monkeypatch.setattr(attention, "flash_supported", lambda q: True)
+        monkeypatch.setattr(attention, "_flash_varlen", lambda: lambda *a, **kw: calls.append(
+            (a[0].shape[0], a[5], a[4].tolist())) or fake_flash_varlen(*a, **kw))
+        assert last_layer.install(model)
+        pruned = _logits(model, keep, prune=True)
+    # layer 1's queries: 15 + 23 + 15 rows (or one per sequence), the root without any
+    want = (53, 23, [0, 42, 67, 102]) if len(keep) > 3 else (3, 1, [0, 42, 67, 102])
+    assert len(calls) == 2 and calls[1] == want
+    torch.testing.assert_close(pruned, whole, rtol=0, atol=0.05)
+    if len(keep) == 3:  # the fake refuses the root's empty query list on this path
+        q, kv = torch.zeros(3, 4, 16, dtype=torch.bfloat16), torch.zeros(10, 2, 16, dtype=torch.bfloat16)
+        cu = torch.tensor([0, 0, 1, 2, 3], dtype=torch.int32)
+        with pytest.raises(AssertionError, match="one-query path"):
+            fake_flash_varlen(q, kv, kv, cu, torch.tensor([0, 1, 4, 7, 10], dtype=torch.int32),
+                              1, 3, causal=True)
 
 
 def test_plan_keeps_each_sequences_suffix_and_skips_when_that_is_all():

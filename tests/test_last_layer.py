@@ -113,7 +113,8 @@ def test_pruned_last_layer_through_flash_attn(monkeypatch, keep):
     # layer 1's queries: 15 + 23 + 15 rows (or one per sequence), the root without any
     want = (53, 23, [0, 42, 67, 102]) if len(keep) > 3 else (3, 1, [0, 42, 67, 102])
     assert len(calls) == 2 and calls[1] == want
-    torch.testing.assert_close(pruned, whole, rtol=0, atol=0.05)
+    # bf16 rounding leaves 0.008 here; a query that misses its own key moves logits by 0.02-0.03
+    torch.testing.assert_close(pruned, whole, rtol=0, atol=0.015)
     if len(keep) == 3:  # the fake refuses the root's empty query list on this path
         q, kv = torch.zeros(3, 4, 16, dtype=torch.bfloat16), torch.zeros(10, 2, 16, dtype=torch.bfloat16)
         cu = torch.tensor([0, 0, 1, 2, 3], dtype=torch.int32)

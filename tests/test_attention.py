@@ -304,7 +304,8 @@ def fake_flash_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
     assert causal and dropout_p == 0.0
     if max_seqlen_q == 1 and heads > heads_k:
         # mha_varlen_fwd's one-query path (no window, no dropout) reshapes q to (batch, heads_k,
-        # groups, d): every sequence must have exactly one query, none may be empty
+        # groups, d): every sequence must have exactly one query, none may be empty (pinned
+        # against flash_api.cpp by tests/test_flash_source.py)
         assert total == cu_seqlens_q.numel() - 1, "one-query path: a sequence without a query"
     out = torch.empty_like(q)
     for s, e, sk, ek in zip(cu_seqlens_q[:-1].tolist(), cu_seqlens_q[1:].tolist(),

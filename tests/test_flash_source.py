@@ -4,6 +4,7 @@ in $RL2_FLASH_CACHE, default ~/.cache/rl2/flash-sources; parsed with `ast`, no i
 the exported name, the positional parameters RL2 fills by position, the keywords it passes, and
 the documented layout. Skips (saying why) only when a download fails (offline)."""
 import ast
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -44,6 +45,26 @@ def test_flash_attn_varlen_func():
     assert "cu_seqlens_q: (batch_size + 1,), dtype torch.int32" in doc
     # shared prompts hand it fewer queries than keys (tests/test_attention.py's fake follows this)
     assert "If causal=True, the causal mask is aligned to the bottom right corner of the attention matrix." in doc
+
+
+def test_flash_attn_varlen_one_query_path():
+    """The kernel rule tests/test_attention.py's fake copies from mha_varlen_fwd (the sdist's
+    csrc/flash_attn/flash_api.cpp): with one query at most per sequence and more query than K/V
+    heads, RL2's call (causal, no window: the wrapper's default, no dropout) takes the path that
+    reshapes q to (batch, heads_k, groups, d), which needs exactly one query per sequence; the
+    pruned last layer leaves sequences without queries out for it."""
+    src = download("flash-attn==2.8.3", CACHE, env=NO_BUILD)
+    fn = find(tree(src / "flash_attn_interface.py"), "flash_attn_varlen_func", ast.FunctionDef)
+    defaults = dict(zip([a.arg for a in fn.args.args][-len(fn.args.defaults):], fn.args.defaults))
+    assert ast.literal_eval(defaults["window_size"]) == (-1, -1)
+    with tarfile.open(CACHE / "wheels" / "flash_attn-2.8.3.tar.gz") as t:
+        cpp = t.extractfile("flash_attn-2.8.3/csrc/flash_attn/flash_api.cpp").read().decode()
+    varlen = cpp[cpp.index("\nmha_varlen_fwd("):cpp.index("\nmha_bwd(")]
+    # one query: causal is dropped (one query sees every key either way), so the window stays -1
+    assert "if (max_seqlen_q == 1 && !alibi_slopes_.has_value()) { is_causal = false; }" in varlen
+    assert ("const int seqlenq_ngroups_swapped = max_seqlen_q == 1 && num_heads > num_heads_k && "
+            "window_size_left < 0 && window_size_right < 0 && p_dropout == 0.f") in varlen
+    assert "q = q.reshape({batch_size, num_heads_k, ngroups, head_size})" in varlen
 
 
 def test_ring_flash_attn_zigzag_varlen_func():

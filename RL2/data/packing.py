@@ -259,6 +259,25 @@ def plan_micro_batches(lengths: list[int], dp_size: int, capacity: int,
     return _bins_to_ranks(bins, dp_size, k)
 
 
+def rank_loads(plan: list[list[list[int]]], lengths: list[int], sp_size: int = 1) -> list[int]:
+    """The padded tokens each dp rank of a `plan_micro_batches` result computes."""
+    return [sum(padded_length(lengths[i], sp_size) for mb in rank for i in mb) for rank in plan]
+
+
+def imbalance_note(loads: list[int], threshold: float = 1.1) -> str | None:
+    """A message when the busiest rank holds >= `threshold` x the mean of `loads`: the others
+    wait for it at every collective. None when balanced (or one rank, or nothing)."""
+    if len(loads) < 2 or not sum(loads):
+        return None
+    mean = sum(loads) / len(loads)
+    if max(loads) < threshold * mean:
+        return None
+    return (f"data-parallel ranks got {min(loads)} to {max(loads)} tokens, so ~"
+            f"{1 - mean / max(loads):.0%} of their time goes to waiting for the busiest: whole "
+            "sequences cannot be split over data-parallel ranks. sp_size splits every sequence "
+            "over an sp group (ring attention); larger batches balance better")
+
+
 def _bins_to_ranks(bins, dp_size: int, k: int) -> list[list[list[int]]]:
     """Give each rank exactly k bins with balanced totals: KK over chunks of dp_size bins (each
     chunk contributes one bin to every rank, so counts stay equal)."""

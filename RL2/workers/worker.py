@@ -9,8 +9,8 @@ import torch.distributed as dist
 from omegaconf import DictConfig
 
 from RL2.algorithms.losses import upcast
-from RL2.data.packing import (MicroBatch, pack, plan_micro_batches, resolve_share_prompt, share_prefixes,
-                              token_capacity, unpack)
+from RL2.data.packing import (MicroBatch, imbalance_note, pack, plan_micro_batches, rank_loads,
+                              resolve_share_prompt, share_prefixes, token_capacity, unpack)
 from RL2.parallel import host_comm
 from RL2.parallel.attention import PackedContext, check_sp_rope, config_rope_types, packed_kwargs, rope_types
 from RL2.parallel.collectives import gather_objects
@@ -108,7 +108,7 @@ class Worker:
         if cfg.get("prune_last_layer") is True and not self.prune_last_layer:
             logger.warning("prune_last_layer=true: not applied (%s)", "a value model" if value_head
                            else "a model family or forward last_layer.py does not know")
-        self._pruned_logged = False
+        self._pruned_logged = self._imbalance_logged = False
         # pairs (DPO, RM: `flatten_pairs`) and samples that repeat an earlier one's first tokens
         # (`plan`) compute them once; the PPO critic reads values at prompt tokens of every
         # sample, so `plan` keeps a value model's samples whole
@@ -161,6 +161,11 @@ class Worker:
             plan[0] = plan_micro_batches(lengths, self.dims.dp, self.capacity, groups=groups,
                                          sp_size=self.dims.sp)
         dist.broadcast_object_list(plan, src=0)
+        if not self._imbalance_logged and dist.get_rank() == 0 and self.train:
+            note = imbalance_note(rank_loads(plan[0], lengths, self.dims.sp))
+            if note:  # once a run: a step of few long sequences does this every time
+                self._imbalance_logged = True
+                logger.warning("%s (logged once)", note)
         return [pack(samples, idx, self.dims.sp, self.dims.sp_rank).to(self.device)
                 for idx in plan[0][self.dims.dp_rank]]
 

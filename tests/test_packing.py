@@ -86,21 +86,27 @@ def test_partition_balance_realistic():
     assert rank_ratio < 1.001 and mb_ratio < 1.01
 
 
-def test_rank_loads_and_the_imbalance_note():
-    """bench_vs_trl's SFT step over two ranks: whole sequences give 600 and 420 tokens, and the
-    lighter rank waits (measured: 25-30% of a 2 x 1 step, benchmarks/README.md)."""
-    from RL2.data.packing import imbalance_note, rank_loads
+def test_micro_batch_order_and_the_imbalance_note():
+    """Ranks run micro-batch j together, so every rank's micro-batches go heaviest first (by
+    sample count, [67, 941] | [1024, 52] would pair 67 with 1024 and 941 with 52: ~47% of a
+    step waiting). bench_vs_trl's SFT step over two ranks is unbalanced by its data: 600 and
+    420 tokens (the lighter rank waited 25-30% of a 2 x 1 step, benchmarks/README.md)."""
+    from RL2.data.packing import imbalance_note, micro_batch_loads
 
-    lengths = [600, 250, 100, 50, 20]
+    lengths = [67, 941, 1024, 52]
     plan = plan_micro_batches(lengths, dp_size=2, capacity=1024)
-    assert sorted(rank_loads(plan, lengths)) == [420, 600]
-    note = imbalance_note(rank_loads(plan, lengths))
-    assert "420 to 600 tokens" in note and "~15%" in note and "sp_size" in note
-    # padded for sp: 5 tokens count as 8 with sp_size=4
-    assert rank_loads([[[0]], [[1, 2]]], [5, 3, 1], sp_size=4) == [8, 16]
-    assert imbalance_note([500, 520]) is None  # within 10% of the mean
-    assert imbalance_note([600]) is None and imbalance_note([0, 0]) is None
-    assert imbalance_note([0, 30]) is not None
+    loads = micro_batch_loads(plan, lengths)
+    assert all(r == sorted(r, reverse=True) for r in loads) and sorted(map(sum, loads)) == [1008, 1076]
+    assert imbalance_note(loads) is None  # 1024 + 67 a step against 2084 / 2 tokens a rank: 5%
+    assert "~47%" in imbalance_note([[67, 941], [1024, 52]])
+    lengths = [600, 250, 100, 50, 20]
+    loads = micro_batch_loads(plan_micro_batches(lengths, dp_size=2, capacity=1024), lengths)
+    assert sorted(map(sum, loads)) == [420, 600]
+    note = imbalance_note(loads)
+    assert "~15% of a step (the least loaded 30%; 420 to 600 tokens" in note and "sp_size" in note
+    assert micro_batch_loads([[[0]], [[1, 2]]], [5, 3, 1], sp_size=4) == [[8], [16]]  # padded for sp
+    assert imbalance_note([[500], [520]]) is None and imbalance_note([[600]]) is None
+    assert imbalance_note([[0], [0]]) is None and imbalance_note([[0], [30]]) is not None
 
 
 def test_partition_errors_and_edges():

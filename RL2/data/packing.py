@@ -259,23 +259,26 @@ def plan_micro_batches(lengths: list[int], dp_size: int, capacity: int,
     return _bins_to_ranks(bins, dp_size, k)
 
 
-def rank_loads(plan: list[list[list[int]]], lengths: list[int], sp_size: int = 1) -> list[int]:
-    """The padded tokens each dp rank of a `plan_micro_batches` result computes."""
-    return [sum(padded_length(lengths[i], sp_size) for mb in rank for i in mb) for rank in plan]
+def micro_batch_loads(plan: list[list[list[int]]], lengths: list[int], sp_size: int = 1) -> list[list[int]]:
+    """The padded tokens of each micro-batch of a `plan_micro_batches` result, per dp rank."""
+    return [[sum(padded_length(lengths[i], sp_size) for i in mb) for mb in rank] for rank in plan]
 
 
-def imbalance_note(loads: list[int], threshold: float = 1.1) -> str | None:
-    """A message when the busiest rank holds >= `threshold` x the mean of `loads`: the others
-    wait for it at every collective. None when balanced (or one rank, or nothing)."""
-    if len(loads) < 2 or not sum(loads):
+def imbalance_note(loads: list[list[int]], threshold: float = 0.1) -> str | None:
+    """A message when the dp ranks of a plan (`micro_batch_loads`) would wait for each other
+    for >= `threshold` of a step: they run micro-batch j together (FSDP's collectives), so a
+    step lasts the sum over j of its busiest micro-batch. None when balanced, or one rank."""
+    if len(loads) < 2:
         return None
-    mean = sum(loads) / len(loads)
-    if max(loads) < threshold * mean:
+    step = sum(max(mbs) for mbs in zip(*loads))
+    totals = [sum(r) for r in loads]
+    if not step or 1 - sum(totals) / (len(loads) * step) < threshold:
         return None
-    return (f"data-parallel ranks got {min(loads)} to {max(loads)} tokens, so ~"
-            f"{1 - mean / max(loads):.0%} of their time goes to waiting for the busiest: whole "
-            "sequences cannot be split over data-parallel ranks. sp_size splits every sequence "
-            "over an sp group (ring attention); larger batches balance better")
+    return (f"data-parallel ranks wait for each other ~{1 - sum(totals) / (len(loads) * step):.0%} "
+            f"of a step (the least loaded {1 - min(totals) / step:.0%}; {min(totals)} to "
+            f"{max(totals)} tokens a rank): micro-batches hold whole sequences. A larger sp_size "
+            "spreads each sequence over more ranks (ring attention, which share_prompt and "
+            "prune_last_layer do not take), and larger batches balance better")
 
 
 def _bins_to_ranks(bins, dp_size: int, k: int) -> list[list[list[int]]]:
@@ -285,13 +288,14 @@ def _bins_to_ranks(bins, dp_size: int, k: int) -> list[list[list[int]]]:
     states = []
     for c in range(k):
         chunk = bins[c * dp_size:(c + 1) * dp_size]
-        states.append([(w, [units]) for w, units in chunk])  # one bin per rank
+        states.append([(w, [(w, units)]) for w, units in chunk])  # one bin per rank
     ranks = karmarkar_karp(states, dp_size)
-    # Rank order and micro-batch order do not matter; fix them for determinism.
     plan = []
-    for _, rank_bins in sorted(ranks, key=lambda r: r[1]):
-        mbs = [[i for unit in sorted(units) for i in unit] for units in rank_bins]
-        plan.append(sorted(mbs, key=lambda mb: (-len(mb), mb)))
+    for _, rank_bins in sorted(ranks, key=lambda r: r[1]):  # rank order: fixed for determinism
+        # heaviest micro-batch first on every rank: the ranks run micro-batch j together (FSDP's
+        # collectives), and equal orders make the sum over j of the slowest the least
+        rank_bins = sorted(((w, sorted(units)) for w, units in rank_bins), key=lambda b: (-b[0], b[1]))
+        plan.append([[i for unit in units for i in unit] for _, units in rank_bins])
     return plan
 
 

@@ -9,7 +9,7 @@ import torch.distributed as dist
 from omegaconf import DictConfig
 
 from RL2.algorithms.losses import upcast
-from RL2.data.packing import (MicroBatch, imbalance_note, pack, plan_micro_batches, rank_loads,
+from RL2.data.packing import (MicroBatch, imbalance_note, micro_batch_loads, pack, plan_micro_batches,
                               resolve_share_prompt, share_prefixes, token_capacity, unpack)
 from RL2.parallel import host_comm
 from RL2.parallel.attention import PackedContext, check_sp_rope, config_rope_types, packed_kwargs, rope_types
@@ -143,7 +143,7 @@ class Worker:
         that begin alike (a GRPO group's prompt) are packed as tails continuing one shared
         prefix sequence (`packing.share_prefixes`; micro-batches then also hold those prefixes,
         with action_mask 0); per-token outputs cover the tails."""
-        return self._plan(*self._layout(samples, groups)[:2])
+        return self._plan(*self._layout(samples, groups)[:2], note=True)
 
     def _layout(self, samples: list[dict], groups: list[list[int]] | None, share: bool | None = None):
         """(samples, groups, tokens each sample leaves to a shared prefix or None) as packed.
@@ -154,18 +154,20 @@ class Worker:
             return share_prefixes(samples, self.capacity, self.dims.dp)
         return samples, groups, None
 
-    def _plan(self, samples: list[dict], groups: list[list[int]] | None) -> list[MicroBatch]:
+    def _plan(self, samples: list[dict], groups: list[list[int]] | None,
+              note: bool = False) -> list[MicroBatch]:
+        """`note`: a training pass; the first unbalanced one of the run is logged."""
         lengths = [len(s["input_ids"]) for s in samples]
         plan = [None]
         if dist.get_rank() == 0:
             plan[0] = plan_micro_batches(lengths, self.dims.dp, self.capacity, groups=groups,
                                          sp_size=self.dims.sp)
         dist.broadcast_object_list(plan, src=0)
-        if not self._imbalance_logged and dist.get_rank() == 0 and self.train:
-            note = imbalance_note(rank_loads(plan[0], lengths, self.dims.sp))
-            if note:  # once a run: a step of few long sequences does this every time
+        if note and not self._imbalance_logged and dist.get_rank() == 0:
+            message = imbalance_note(micro_batch_loads(plan[0], lengths, self.dims.sp))
+            if message:  # once a run: a step of few long sequences does this every time
                 self._imbalance_logged = True
-                logger.warning("%s (logged once)", note)
+                logger.warning("%s: %s (logged once)", type(self).__name__.lower(), message)
         return [pack(samples, idx, self.dims.sp, self.dims.sp_rank).to(self.device)
                 for idx in plan[0][self.dims.dp_rank]]
 

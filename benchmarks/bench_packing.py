@@ -16,7 +16,7 @@ import logging
 import time
 
 from benchmarks.common import median, sample_lengths, table
-from RL2.data.packing import padded_length, plan_micro_batches
+from RL2.data.packing import micro_batch_loads, padded_length, plan_micro_batches
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +44,7 @@ def plan_stats(plan, lengths: list[int], sp_size: int = 1) -> dict:
     dp = len(plan)
     k = len(plan[0]) if plan else 0
     real = [[sum(lengths[i] for i in mb) for mb in rank] for rank in plan]
-    padded = [[sum(padded_length(lengths[i], sp_size) for i in mb) for mb in rank] for rank in plan]
+    padded = micro_batch_loads(plan, lengths, sp_size)
     per_rank = [sum(r) for r in real]
     total_real = sum(per_rank)
     mean_rank = total_real / dp

@@ -87,9 +87,9 @@ def test_partition_balance_realistic():
 
 
 def test_micro_batch_order_and_the_imbalance_note():
-    """Ranks run micro-batch j together, so every rank's micro-batches go heaviest first (by
-    sample count, [67, 941] | [1024, 52] would pair 67 with 1024 and 941 with 52: ~47% of a
-    step waiting). bench_vs_trl's SFT step over two ranks is unbalanced by its data: 600 and
+    """Ranks run micro-batch j together, so every rank's micro-batches go heaviest first
+    (ordered by sample count instead, [67, 941] | [1024, 52] paired 67 with 1024 and 941 with
+    52: ~47% of a step waiting). bench_vs_trl's SFT step over two ranks is unbalanced by its data: 600 and
     420 tokens (the lighter rank waited 25-30% of a 2 x 1 step, benchmarks/README.md)."""
     from RL2.data.packing import imbalance_note, micro_batch_loads
 

@@ -272,9 +272,10 @@ def imbalance_note(loads: list[list[int]], threshold: float = 0.1) -> str | None
         return None
     step = sum(max(mbs) for mbs in zip(*loads))
     totals = [sum(r) for r in loads]
-    if not step or 1 - sum(totals) / (len(loads) * step) < threshold:
+    waiting = 1 - sum(totals) / (len(loads) * step) if step else 0.0
+    if waiting < threshold:
         return None
-    return (f"data-parallel ranks wait for each other ~{1 - sum(totals) / (len(loads) * step):.0%} "
+    return (f"data-parallel ranks wait for each other ~{waiting:.0%} "
             f"of a step (the least loaded {1 - min(totals) / step:.0%}; {min(totals)} to "
             f"{max(totals)} tokens a rank): micro-batches hold whole sequences. A larger sp_size "
             "spreads each sequence over more ranks (ring attention, which share_prompt and "

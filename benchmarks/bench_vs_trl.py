@@ -1,7 +1,7 @@
 """RL2 vs TRL side by side on TRL's own workloads (issue 20), in one invocation.
 
-    python -m benchmarks.bench_vs_trl [--quick] [--repeats 3] [--only sft dpo grpo] [--no-trl]
-                                      [--model DIR]
+    python -m benchmarks.bench_vs_trl [--quick] [--repeats 3] [--rounds 1] [--only sft dpo grpo]
+                                      [--no-trl] [--model DIR]
 
 Same model (Qwen2 from a config: hidden 512, 8 layers, 8/4 heads, vocab 2048, 25.7M params; no
 download; or a checkpoint with `--model DIR`, e.g. SmolLM2-135M), same rows
@@ -14,7 +14,9 @@ download; or a checkpoint with `--model DIR`, e.g. SmolLM2-135M), same rows
   (generation + rewards) and the update are timed separately.
 TRL runs in one process with 2 threads; RL2 as 1 process x 2 threads and 2 processes x 1 thread
 (torchrun). On a loaded machine two OpenMP threads in one process can run far slower than one
-(they wait for each other at every op): `--threads 1` compares TRL and RL2 1x1 (plus RL2 2x1). Each figure is the median over `--repeats` steps after one warm-up step, wall clock.
+(they wait for each other at every op): `--threads 1` compares TRL and RL2 1x1 (plus RL2 2x1). Each figure is the median over `--repeats` steps after one warm-up step, wall clock; with
+`--rounds R` every library runs R times, interleaved, and each figure and speed-up is the median
+over the rounds (TRL's own speed moved 7% between processes on one machine).
 Every figure is also given as a fraction of the fp32 matmul peak measured in this run on the
 cores the configuration uses (FLOPs: 6N per trained token, 2N per reference/generation token, N = parameters): what a
 library reaches out of what the machine can do. TRL is optional: without it, its column says so.
@@ -132,9 +134,32 @@ FIGURES = {  # workload -> (label, key, higher is better)
 }
 
 
-def ratio_table(results: dict, peaks: dict, columns: list[str]) -> str:
+def speedup(r: dict, base: dict, key: str, higher: bool) -> float:
+    return r[key] / base[key] if higher else base[key] / r[key]
+
+
+def combine_rounds(rounds: list[dict]) -> tuple[dict, dict]:
+    """`rounds`: one {workload: {column: summarize(...)}} per round. Returns each figure's median
+    over the rounds and, per workload / column / figure key, the speed-ups over TRL of each
+    round (TRL and RL2 measured in the same round, so drift between rounds cancels)."""
+    merged, ratios = {}, {}
+    for workload in rounds[0]:
+        merged[workload], ratios[workload] = {}, {}
+        for col in rounds[0][workload]:
+            per = [r[workload][col] for r in rounds]
+            merged[workload][col] = {k: median([p[k] for p in per]) for k in per[0]}
+            if col == "TRL":
+                continue
+            ratios[workload][col] = {
+                key: [speedup(r[workload][col], r[workload]["TRL"], key, higher) for r in rounds]
+                for _, key, _, higher in FIGURES[workload] if "TRL" in rounds[0][workload]}
+    return merged, ratios
+
+
+def ratio_table(results: dict, peaks: dict, columns: list[str], ratios: dict | None = None) -> str:
     """One row per figure: each column's value, its fraction of the peak of the cores that
-    column uses (`peaks[column]`) and its speed-up over TRL."""
+    column uses (`peaks[column]`) and its speed-up over TRL (with `ratios` from
+    `combine_rounds`: the median of the rounds' speed-ups)."""
     rows = []
     for workload, figures in FIGURES.items():
         if workload not in results:
@@ -148,11 +173,28 @@ def ratio_table(results: dict, peaks: dict, columns: list[str]) -> str:
                     continue
                 cell = f"{r[key]:.3g} ({100 * r[flop_key] / peaks[col]:.0f}% peak)"
                 if base is not None and col != "TRL":
-                    speedup = r[key] / base[key] if higher else base[key] / r[key]
-                    cell += f" **{speedup:.2f}x**"
+                    x = (median(ratios[workload][col][key]) if ratios
+                         else speedup(r, base, key, higher))
+                    cell += f" **{x:.2f}x**"
                 row.append(cell)
             rows.append(row)
     return table(["workload"] + columns, rows)
+
+
+def rounds_table(ratios: dict, columns: list[str]) -> str:
+    """Each round's speed-up over TRL, per figure and RL2 column, then their median."""
+    rows = []
+    for workload, figures in FIGURES.items():
+        for label, key, _, _ in figures:
+            if workload not in ratios or not any(key in v for v in ratios[workload].values()):
+                continue
+            row = [label]
+            for col in columns[1:]:
+                xs = ratios[workload].get(col, {}).get(key)
+                row.append("skipped" if xs is None else
+                           ", ".join(f"{x:.2f}" for x in xs) + f" (median **{median(xs):.2f}x**)")
+            rows.append(row)
+    return table(["speed-up over TRL, each round"] + columns[1:], rows)
 
 
 def run(args) -> str:
@@ -175,42 +217,53 @@ def run(args) -> str:
         from benchmarks.common import params_of
         n_params = params_of(AutoModelForCausalLM.from_pretrained(os.path.join(root, "model")))
         start = time.perf_counter()
-        for workload in args.only:
-            for t in peaks:  # measured before every workload: follows the machine's load
-                torch.set_num_threads(t)
-                peaks[t].append(matmul_peak("cpu", dtype, repeats=3))
-            torch.set_num_threads(1)
-            cpu_peaks.append(matmul_peak("cpu", dtype, repeats=3, clock=time.process_time))
-            raw[workload] = {}
-            if with_trl:
-                raw[workload]["TRL"] = run_trl(workload, root, args)
-            for name, nproc, threads, keys, workloads in layouts(args.threads):
-                if workload in workloads:
-                    raw[workload][name] = run_rl2(workload, root, nproc, threads, args, keys)
+        for _ in range(args.rounds):  # each round runs TRL and RL2 back to back
+            for workload in args.only:
+                for t in peaks:  # measured before every workload: follows the machine's load
+                    torch.set_num_threads(t)
+                    peaks[t].append(matmul_peak("cpu", dtype, repeats=3))
+                torch.set_num_threads(1)
+                cpu_peaks.append(matmul_peak("cpu", dtype, repeats=3, clock=time.process_time))
+                runs = raw.setdefault(workload, {})
+                if with_trl:
+                    runs.setdefault("TRL", []).append(run_trl(workload, root, args))
+                for name, nproc, threads, keys, workloads in layouts(args.threads):
+                    if workload in workloads:
+                        runs.setdefault(name, []).append(
+                            run_rl2(workload, root, nproc, threads, args, keys))
         elapsed = time.perf_counter() - start
     peak = {t: median(v) for t, v in peaks.items()}
     # A column's peak: the matmul rate of the cores it uses (2 x 1 = two one-thread processes).
     col_peak = {c: 2 * peak[1] if "2x1" in c else peak[args.threads] for c in columns}
-    results = {w: {c: summarize(w, st, n_params) for c, st in r.items()} for w, r in raw.items()}
+    per_round = [{w: {c: summarize(w, st[i], n_params) for c, st in r.items()} for w, r in raw.items()}
+                 for i in range(args.rounds)]
+    results, ratios = combine_rounds(per_round)
     name = f"{os.path.basename(os.path.normpath(args.model))}, " if args.model else ""
     head = (f"### RL2 vs TRL ({machine_description('cpu', args.threads)}; model {name}{n_params / 1e6:.1f}M "
             f"params; {args.dtype}; matmul peak {peak[1] / 1e9:.0f} GFLOP/s with 1 thread, "
             f"{peak[args.threads] / 1e9:.0f} with {args.threads} (medians of {len(args.only)} "
-            f"measurements in this run); medians of {args.repeats} steps after 1 warm-up; "
-            f"{elapsed:.0f} s)")
+            f"measurements in this run); medians of {args.repeats} steps after 1 warm-up"
+            + (f", then of {args.rounds} rounds" if args.rounds > 1 else "") + f"; {elapsed:.0f} s)")
     legend = ("Each cell: the figure (% of the matmul peak: 6N FLOP per trained token, +2N per "
               "reference or generation token) **speed-up over TRL** (>1 = RL2 faster). TRL runs in "
               f"one process with {args.threads} thread(s); `RL2 PxT` = P torchrun processes x T threads each; "
               "a column's peak is that of the cores it uses (2x1: twice the 1-thread peak).")
-    parts = [head, "Wall clock:", ratio_table(results, col_peak, columns), legend]
+    parts = [head, "Wall clock:", ratio_table(results, col_peak, columns, ratios), legend]
+    if args.rounds > 1 and with_trl:
+        parts += [f"Each round's speed-up (TRL and RL2 run one after the other in every round; the "
+                  f"table above gives each figure's median over the {args.rounds} rounds and the "
+                  f"median of these speed-ups):", rounds_table(ratios, columns)]
     if args.threads == 1:  # process CPU time = wall time on an idle core, for 1-thread processes
         cpu_peak = median(cpu_peaks)
-        cpu = {w: {c: summarize(w, st, n_params, "cpu") for c, st in r.items()} for w, r in raw.items()}
+        cpu, cpu_ratios = combine_rounds(
+            [{w: {c: summarize(w, st[i], n_params, "cpu") for c, st in r.items()} for w, r in raw.items()}
+             for i in range(args.rounds)])
         parts += [f"Process CPU time (rank 0; one thread per process, so this is the time each "
                   f"process would take on a core of its own: robust to other tenants' load; gloo "
                   f"waits that sleep are not counted). 1-thread matmul peak in CPU time "
                   f"{cpu_peak / 1e9:.0f} GFLOP/s:",
-                  ratio_table(cpu, {c: cpu_peak * (2 if "2x1" in c else 1) for c in columns}, columns)]
+                  ratio_table(cpu, {c: cpu_peak * (2 if "2x1" in c else 1) for c in columns}, columns,
+                              cpu_ratios)]
     return "\n\n".join(parts + notes + ["```json\n" + json.dumps({"peak": col_peak, "raw": raw}) + "\n```"])
 
 
@@ -225,6 +278,10 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, default=2,
                    help="threads of TRL's process and of RL2's one-process run (the issue: 2)")
     p.add_argument("--new-tokens", type=int, default=None, help="GRPO tokens per sample (64; quick 16)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run TRL and RL2 this many times, one after the other each round, and "
+                        "report medians over the rounds: TRL's speed moves by several %% between "
+                        "processes on a shared machine, which one round cannot show")
     p.add_argument("--timeout", type=float, default=1800)
     p.add_argument("--rl2-override", nargs="*", default=[], metavar="KEY=VALUE",
                    help="extra config keys for every RL2 run, e.g. actor.rollout.torch.dtype=bfloat16")
@@ -232,6 +289,8 @@ def parse_args(argv=None):
                    help="bfloat16: TRL's default mixed precision (CPU autocast) against RL2's "
                         "actor.dtype=bfloat16 (FSDP2 bf16 compute, fp32 master weights)")
     args = p.parse_args(argv)
+    if args.rounds < 1:
+        p.error(f"--rounds {args.rounds}: at least 1")
     if args.repeats is None:
         args.repeats = 1 if args.quick else 3
     if args.new_tokens is None:

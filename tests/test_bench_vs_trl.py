@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from benchmarks.bench_vs_trl import FIGURES, ratio_table, summarize
+from benchmarks.bench_vs_trl import FIGURES, combine_rounds, parse_args, ratio_table, rounds_table, summarize
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -47,6 +47,57 @@ def test_ratio_table_structure_and_speedups():
     assert sft[3].startswith("skipped")  # a column that did not run
     assert all("**" not in r[2] for r in rows[1:])  # no TRL row for grpo: no speed-up claimed
     assert rows[1][1].startswith("skipped")
+
+
+def test_rounds_pair_each_rl2_run_with_the_trl_run_of_its_round():
+    """`--rounds`: a speed-up is taken within a round, then the median over rounds; each figure
+    is its median over rounds. Here TRL slows down in round 2 and RL2 with it: the per-round
+    speed-ups are 2.0, 2.0, 1.5 (median 2.0), where the ratio of the medians would read 1.5."""
+    trl = [1.0, 2.0, 1.0]   # TRL s/step per round (tokens/s 1000, 500, 1000)
+    rl2 = [0.5, 1.0, 2 / 3]  # RL2 in the same rounds
+    rounds = [{"sft": {"TRL": summarize("sft", _steps([9.0, t]), 10),
+                       "RL2 1x2": summarize("sft", _steps([9.0, r]), 10)}} for t, r in zip(trl, rl2)]
+    merged, ratios = combine_rounds(rounds)
+    assert merged["sft"]["TRL"]["s/step"] == 1.0 and merged["sft"]["RL2 1x2"]["s/step"] == 2 / 3
+    assert ratios["sft"]["RL2 1x2"]["tokens/s"] == pytest.approx([2.0, 2.0, 1.5])
+    columns = ["TRL", "RL2 1x2"]
+    row = ratio_table(merged, {c: 1e6 for c in columns}, columns, ratios).splitlines()[2]
+    assert "**2.00x**" in row  # the median of the rounds' speed-ups, not 1.5 from the medians
+    per = rounds_table(ratios, columns).splitlines()
+    assert per[0] == "| speed-up over TRL, each round | RL2 1x2 |"
+    assert "2.00, 2.00, 1.50 (median **2.00x**)" in per[2]
+    # no TRL: figures only, no speed-up
+    merged, ratios = combine_rounds([{"sft": {"RL2 1x2": r["sft"]["RL2 1x2"]}} for r in rounds])
+    assert "**" not in ratio_table(merged, {c: 1e6 for c in columns}, columns, ratios)
+    assert parse_args([]).rounds == 1
+    with pytest.raises(SystemExit):
+        parse_args(["--rounds", "0"])
+
+
+def test_run_interleaves_the_rounds(monkeypatch):
+    """run() with `--rounds 3` and stand-in runs (no processes, no timings): TRL and every RL2
+    layout run once per round, round after round, and the tables show the per-round ratios."""
+    import benchmarks.bench_vs_trl as B
+
+    calls = []
+
+    def fake(who):
+        def run(workload, *a, **kw):
+            calls.append((who, workload))
+            trl_time = [1.0, 2.0, 1.0][sum(c[0] == "trl" for c in calls) - 1]
+            return _steps([9.0, trl_time if who == "trl" else 0.5])
+        return run
+    monkeypatch.setattr(B, "trl_available", lambda: True)
+    monkeypatch.setattr(B, "run_trl", fake("trl"))
+    monkeypatch.setattr(B, "run_rl2", fake("rl2"))
+    monkeypatch.setattr(B, "matmul_peak", lambda *a, **kw: 1e9)
+    text = B.run(B.parse_args(["--quick", "--rounds", "3", "--only", "sft", "--threads", "2"]))
+    n = len(B.layouts(2)) - 1  # rg1 is GRPO only
+    assert calls == [("trl", "sft")] + [("rl2", "sft")] * n + [("trl", "sft")] + [("rl2", "sft")] * n \
+        + [("trl", "sft")] + [("rl2", "sft")] * n
+    assert "then of 3 rounds" in text
+    # RL2 0.5 s against TRL 1, 2, 1 s: speed-ups 2, 4, 2 (median 2)
+    assert "2.00, 4.00, 2.00 (median **2.00x**)" in text
 
 
 @pytest.mark.slow

@@ -191,3 +191,15 @@ def test_dynamic_rope_decodes_without_graphs(caplog):
         runner = KVRunner(model, "cuda", onednn=False, cuda_graph=True)  # builds nothing on CUDA
     assert runner.graphed is None and "dynamic RoPE" in caplog.text
     assert KVRunner(tiny_model(), "cuda", onednn=False, cuda_graph=True).graphed is not None
+
+
+def test_cuda_runner_leaves_the_cpu_libraries_off():
+    """oneDNN's packed weights and RL2's AVX-512 kernel are CPU libraries: a CUDA engine's
+    runner turns both off whatever cpu_matmul and small_gemm say (found by a review: on CUDA
+    every product paid PackedLinears' checks before falling back to F.linear)."""
+    from RL2.rollout.model_runner import KVRunner
+    from RL2.utils import onednn
+
+    cuda = KVRunner(tiny_model(), "cuda", onednn=True, small_gemm=True)
+    assert not cuda.linear.enabled and not cuda.linear.small
+    assert KVRunner(tiny_model(), "cpu", onednn=True).linear.enabled == onednn.available()

@@ -35,7 +35,8 @@ class KVRunner:
                  compile_decode: bool = False, small_gemm: bool = False):
         self.model, self.device = model, device
         cpu = torch.device(device).type == "cpu"
-        self.linear = PackedLinears(enabled=onednn, small=small_gemm and cpu)
+        # oneDNN and RL2's kernel are CPU libraries: on CUDA every product stays F.linear
+        self.linear = PackedLinears(enabled=onednn and cpu, small=small_gemm and cpu)
         self.graphed = self.compiled = None
         if compile_decode:
             if not cpu:

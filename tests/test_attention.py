@@ -281,40 +281,101 @@ def test_rope_types_are_read_from_the_config_before_the_load():
     assert attention.rope_types(model) == types(model.config) == ["dynamic"]
 
 
+FLASH_BACKWARDS = []  # (total_q, max_seqlen_q) of every backward the fake ran
+
+
 def fake_flash_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                      dropout_p=0.0, softmax_scale=None, causal=False):
-    """flash_attn_varlen_func of flash-attn 2.8.3 on the CPU: refuses what mha_varlen_fwd
-    refuses (csrc/flash_attn/flash_api.cpp: fp16/bf16, one dtype, int32 contiguous cu_seqlens of
-    batch+1 entries on q's device, last dims contiguous, (total, heads, head_dim) with head_dim a
-    multiple of 8 up to 256, query heads a multiple of K/V heads, and with max_seqlen_q = 1 and
-    more query than K/V heads exactly one query per sequence); its kernel's grid covers
-    max_seqlen rows per sequence only, so a smaller one is refused too. Computes each sequence's
-    causal attention with SDPA in fp32; with fewer queries than keys the causal mask is aligned
-    to the bottom right (the function's docstring: seqlen_q = 2, seqlen_k = 5 keeps 1 1 1 1 0 /
-    1 1 1 1 1)."""
-    assert q.dtype in (torch.float16, torch.bfloat16) and k.dtype == v.dtype == q.dtype
+                      dropout_p=0.0, softmax_scale=None, causal=False, exact=False):
+    """flash_attn_varlen_func of flash-attn 2.8.3 on the CPU, forward and backward: refuses what
+    mha_varlen_fwd and mha_varlen_bwd refuse (csrc/flash_attn/flash_api.cpp: fp16/bf16, one
+    dtype, int32 contiguous cu_seqlens of batch+1 entries on q's device, last dims contiguous,
+    (total, heads, head_dim) with head_dim a multiple of 8 up to 256, query heads a multiple of
+    K/V heads, and with max_seqlen_q = 1 and more query than K/V heads exactly one query per
+    sequence); its kernel's grid covers max_seqlen rows per sequence only, so a smaller one is
+    refused too. With fewer queries than keys the causal mask is aligned to the bottom right
+    (the function's docstring: seqlen_q = 2, seqlen_k = 5 keeps 1 1 1 1 0 / 1 1 1 1 1).
+    Computes in fp32; `exact=True` also takes float64 (the kernel does not) so that tests can
+    compare gradients to rounding, the dtype rule being checked by the bf16 runs."""
+    return _FakeFlashVarlen.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                  dropout_p, softmax_scale, causal, exact)
+
+
+def _flash_checks(q, k, v, cu_q, cu_k, max_q, max_k, exact):
+    """What both mha_varlen_fwd and mha_varlen_bwd check."""
+    dtypes = (torch.float16, torch.bfloat16) + ((torch.float64,) if exact else ())
+    assert q.dtype in dtypes and k.dtype == v.dtype == q.dtype
     assert all(t.dim() == 3 and t.stride(-1) == 1 and t.device == q.device for t in (q, k, v))
-    for cu in (cu_seqlens_q, cu_seqlens_k):
+    for cu in (cu_q, cu_k):
         assert cu.dtype == torch.int32 and cu.is_contiguous() and cu.dim() == 1 and cu.device == q.device
     (total, heads, d), (total_k, heads_k, _) = q.shape, k.shape
     assert d % 8 == 0 and d <= 256 and heads % heads_k == 0 and k.shape == v.shape == (total_k, heads_k, d)
-    assert cu_seqlens_q.shape == cu_seqlens_k.shape
-    assert int(cu_seqlens_q[-1]) == total and int(cu_seqlens_k[-1]) == total_k
-    assert max_seqlen_q >= int(cu_seqlens_q.diff().max()) and max_seqlen_k >= int(cu_seqlens_k.diff().max())
-    assert causal and dropout_p == 0.0
-    if max_seqlen_q == 1 and heads > heads_k:
-        # mha_varlen_fwd's one-query path (no window, no dropout) reshapes q to (batch, heads_k,
-        # groups, d): every sequence must have exactly one query, none may be empty (pinned
-        # against flash_api.cpp by tests/test_flash_source.py)
-        assert total == cu_seqlens_q.numel() - 1, "one-query path: a sequence without a query"
-    out = torch.empty_like(q)
-    for s, e, sk, ek in zip(cu_seqlens_q[:-1].tolist(), cu_seqlens_q[1:].tolist(),
-                            cu_seqlens_k[:-1].tolist(), cu_seqlens_k[1:].tolist()):
-        qs, (ks, vs) = q[s:e].transpose(0, 1).float(), (t[sk:ek].transpose(0, 1).float() for t in (k, v))
-        mask = torch.ones(e - s, ek - sk, dtype=torch.bool).tril(ek - sk - (e - s))
-        out[s:e] = torch.nn.functional.scaled_dot_product_attention(
-            qs, ks, vs, attn_mask=mask, scale=softmax_scale, enable_gqa=True).transpose(0, 1).to(q.dtype)
-    return out
+    assert cu_q.shape == cu_k.shape and cu_q.numel() >= 2
+    assert int(cu_q[-1]) == total and int(cu_k[-1]) == total_k
+    # ints: the wrapper's custom ops (torch.library) declare `max_seqlen_q: int`
+    assert isinstance(max_q, int) and isinstance(max_k, int)
+    assert max_q >= int(cu_q.diff().max()) and max_k >= int(cu_k.diff().max())
+
+
+def _flash_scores(q, k, cu_q, cu_k, scale, dtype):
+    """Per sequence: (row range, key range, masked scores [heads, n, m]) in `dtype`."""
+    groups = q.shape[1] // k.shape[1]
+    for s, e, sk, ek in zip(cu_q[:-1].tolist(), cu_q[1:].tolist(), cu_k[:-1].tolist(), cu_k[1:].tolist()):
+        qs = q[s:e].transpose(0, 1).to(dtype)
+        ks = k[sk:ek].transpose(0, 1).to(dtype).repeat_interleave(groups, 0)
+        mask = torch.ones(e - s, ek - sk, dtype=torch.bool).tril(ek - sk - (e - s))  # bottom right
+        yield (s, e), (sk, ek), (qs @ ks.transpose(1, 2) * scale).masked_fill(~mask, float("-inf"))
+
+
+class _FakeFlashVarlen(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, scale, causal, exact):
+        _flash_checks(q, k, v, cu_q, cu_k, max_q, max_k, exact)
+        assert causal and dropout_p == 0.0
+        (total, heads, d), heads_k = q.shape, k.shape[1]
+        if max_q == 1 and heads > heads_k:
+            # mha_varlen_fwd's one-query path (no window, no dropout) reshapes q to (batch, heads_k,
+            # groups, d): every sequence must have exactly one query, none may be empty (pinned
+            # against flash_api.cpp by tests/test_flash_source.py). Its softmax_lse comes back
+            # as (heads, batch), which is the backward's (heads, total_q) layout only then.
+            assert total == cu_q.numel() - 1, "one-query path: a sequence without a query"
+        scale = d ** -0.5 if scale is None else scale
+        work = torch.float64 if q.dtype == torch.float64 else torch.float32
+        out, lse = torch.empty_like(q), torch.empty(heads, total, dtype=work)  # kernel: fp32 lse
+        groups = heads // heads_k
+        for (s, e), (sk, ek), scores in _flash_scores(q, k, cu_q, cu_k, scale, work):
+            vs = v[sk:ek].transpose(0, 1).to(work).repeat_interleave(groups, 0)
+            out[s:e] = (scores.softmax(-1) @ vs).transpose(0, 1).to(q.dtype)
+            lse[:, s:e] = scores.logsumexp(-1)
+        ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
+        ctx.meta = (max_q, max_k, scale, causal, exact)  # FlashAttnVarlenFunc saves ctx.causal
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
+        max_q, max_k, scale, causal, exact = ctx.meta
+        dout = dout if dout.stride(-1) == 1 else dout.contiguous()  # the wrapper's maybe_contiguous
+        # mha_varlen_bwd: the shared checks, out and dout in q's dtype and shape, last dims
+        # contiguous. It has no one-query path: with the saved causal=True it runs the general
+        # bottom-right causal kernel (window_size_right = 0), reading softmax_lse at
+        # h * total_q + cu_seqlens_q[b] + i.
+        _flash_checks(q, k, v, cu_q, cu_k, max_q, max_k, exact)
+        assert out.dtype == dout.dtype == q.dtype and out.shape == dout.shape == q.shape
+        assert out.stride(-1) == 1 and causal
+        work, groups = lse.dtype, q.shape[1] // k.shape[1]
+        dq, dk, dv = (torch.zeros(t.shape, dtype=work) for t in (q, k, v))
+        for (s, e), (sk, ek), scores in _flash_scores(q, k, cu_q, cu_k, scale, work):
+            p = (scores - lse[:, s:e, None]).exp()
+            do, o = (t[s:e].transpose(0, 1).to(work) for t in (dout, out))
+            vs = v[sk:ek].transpose(0, 1).to(work).repeat_interleave(groups, 0)
+            ks = k[sk:ek].transpose(0, 1).to(work).repeat_interleave(groups, 0)
+            ds = p * (do @ vs.transpose(1, 2) - (do * o).sum(-1, keepdim=True))
+            dq[s:e] = (ds @ ks * scale).transpose(0, 1)
+            per_kv = lambda x: x.unflatten(0, (-1, groups)).sum(1).transpose(0, 1)  # noqa: E731
+            dk[sk:ek] += per_kv(ds.transpose(1, 2) @ q[s:e].transpose(0, 1).to(work) * scale)
+            dv[sk:ek] += per_kv(p.transpose(1, 2) @ do)
+        FLASH_BACKWARDS.append((q.shape[0], max_q))
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), *[None] * 8
 
 
 def test_flash_branch_hands_flash_attn_what_its_kernel_takes(monkeypatch):
@@ -355,3 +416,41 @@ def test_flash_branch_with_a_shared_prefix(monkeypatch):
         flashed = model(input_ids=row[None], position_ids=pos[None], **packed_kwargs(ctx())).logits
     assert len(calls) == 2 and calls[0].tolist() == [0, 4, 17, 29, 38, 41]  # r: 7 + 5 keys, r2: 7 + 2
     torch.testing.assert_close(flashed, reference, rtol=0, atol=0.05)
+
+
+def _logits_and_grads(model, row, pos, ctx):
+    """Logits of a packed row and every parameter's gradient of a fixed function of them."""
+    logits = model(input_ids=row[None], position_ids=pos[None], **packed_kwargs(ctx)).logits
+    up = torch.randn(logits.shape, generator=torch.Generator().manual_seed(3), dtype=logits.dtype)
+    return [logits] + list(torch.autograd.grad((logits * up).sum(), list(model.parameters())))
+
+
+@pytest.mark.parametrize("batch", ["packed", "shared prefix"])
+def test_flash_branch_backward(monkeypatch, batch):
+    """The CUDA branch's backward through the fake, which enforces mha_varlen_bwd's checks and
+    reads the forward's softmax_lse as that kernel does: in float64 (exact=True) logits and all
+    gradients equal the CPU path to rounding; in bf16 both passes take RL2's call."""
+    if batch == "packed":
+        seqs, pos, ctx0, _ = packed_batch()
+        row, bounds, prefix_lens, longest = torch.cat(seqs), ctx0.cu_seqlens.tolist(), None, ctx0.max_seqlen
+    else:
+        row, pos, bounds, prefix_lens, _ = shared_prefix_batch()
+        longest = 13
+
+    def ctx():  # int64 bounds, as the trainer builds them: the branch casts them
+        return PackedContext(torch.tensor(bounds), longest, prefix_lens=prefix_lens)
+
+    model = build("qwen2", register()).to(torch.float64)
+    assert model.config.num_attention_heads > model.config.num_key_value_heads  # GQA
+    reference = _logits_and_grads(model, row, pos, ctx())
+    monkeypatch.setattr(attention, "flash_supported", lambda q: True)
+    monkeypatch.setattr(attention, "_flash_varlen", lambda: lambda *a, **kw: fake_flash_varlen(*a, **kw, exact=True))
+    FLASH_BACKWARDS.clear()
+    flashed = _logits_and_grads(model, row, pos, ctx())
+    assert len(FLASH_BACKWARDS) == 2  # one per layer
+    for got, want in zip(flashed, reference):
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-11)
+    monkeypatch.setattr(attention, "_flash_varlen", lambda: fake_flash_varlen)  # bf16: the kernel's dtypes
+    FLASH_BACKWARDS.clear()
+    _logits_and_grads(model.to(torch.bfloat16), row, pos, ctx())
+    assert [n for n, _ in FLASH_BACKWARDS] == [len(row)] * 2

@@ -67,6 +67,35 @@ def test_flash_attn_varlen_one_query_path():
     assert "q = q.reshape({batch_size, num_heads_k, ngroups, head_size})" in varlen
 
 
+def test_flash_attn_varlen_backward_rules():
+    """What the fake's backward in tests/test_attention.py copies from flash-attn 2.8.3: the
+    wrapper saves `causal` for the backward and declares the lengths as ints; mha_varlen_bwd has
+    no one-query path (the general causal kernel, reading softmax_lse as (heads, total_q)), the
+    forward's one-query path hands back its softmax_lse as (heads, batch) (the same layout when
+    every sequence has one query), and the backward checks out/dout like q."""
+    src = download("flash-attn==2.8.3", CACHE, env=NO_BUILD)
+    py = (src / "flash_attn_interface.py").read_text()
+    cls = py[py.index("class FlashAttnVarlenFunc("):]
+    cls = cls[:cls.index("\ndef ")]
+    assert "ctx.causal = causal" in cls and "ctx.causal," in cls[cls.index("def backward"):]
+    for op in ("_flash_attn_varlen_forward", "_flash_attn_varlen_backward"):
+        fn = find(tree(src / "flash_attn_interface.py"), op, ast.FunctionDef)
+        ints = {a.arg for a in fn.args.args if isinstance(a.annotation, ast.Name) and a.annotation.id == "int"}
+        assert {"max_seqlen_q", "max_seqlen_k"} <= ints, (op, ints)
+    with tarfile.open(CACHE / "wheels" / "flash_attn-2.8.3.tar.gz") as t:
+        cpp = t.extractfile("flash_attn-2.8.3/csrc/flash_attn/flash_api.cpp").read().decode()
+    fwd = cpp[cpp.index("\nmha_varlen_fwd("):cpp.index("\nmha_bwd(")]
+    assert "softmax_lse = softmax_lse.reshape({num_heads * max_seqlen_q, batch_size});" in fwd
+    bwd = cpp[cpp.index("\nmha_varlen_bwd("):cpp.index("\nmha_fwd_kvcache(")]
+    assert "seqlenq_ngroups_swapped" not in bwd
+    assert "if (is_causal) { window_size_right = 0; }" in bwd
+    assert "const at::Tensor &softmax_lse,    // h x total_q, softmax logsumexp" in bwd
+    for rule in ('TORCH_CHECK(out.dtype() == q_dtype', 'TORCH_CHECK(dout.dtype() == q_dtype',
+                 'TORCH_CHECK(out.stride(-1) == 1', 'TORCH_CHECK(dout.stride(-1) == 1',
+                 "CHECK_SHAPE(dout, total_q, num_heads, head_size);"):
+        assert rule in bwd, rule
+
+
 def test_ring_flash_attn_zigzag_varlen_func():
     src = download("ring-flash-attn==0.1.8", CACHE)
     assert "zigzag_ring_flash_attn_varlen_func," in (src / "__init__.py").read_text()

@@ -123,7 +123,44 @@ def test_pruned_last_layer_through_flash_attn(monkeypatch, keep):
                               1, 3, causal=True)
 
 
+@pytest.mark.parametrize("keep", [KEEP, [49, 74, 99]], ids=["suffixes", "one-query"])
+def test_pruned_last_layer_backward_through_flash_attn(monkeypatch, keep):
+    """The CUDA branch's backward through the fake of flash-attn 2.8.3, which enforces
+    mha_varlen_bwd's checks (no one-query path there: the general causal kernel reads the
+    forward's softmax_lse). float64 (the fake's exact mode): logits and every gradient equal the
+    whole layer to rounding; bf16 with activation checkpointing (the forward recomputed in the
+    backward): both kernels take RL2's calls, the one-query forward included."""
+    from RL2.parallel import attention
+    from tests.test_attention import FLASH_BACKWARDS, fake_flash_varlen
+
+    model = _model("qwen2", torch.float64, hidden=64, heads=4, kv_heads=2)
+    keep = torch.tensor(sorted(keep))
+    whole = _run(model, keep, prune=False)
+    assert last_layer.install(model)
+    monkeypatch.setattr(attention, "flash_supported", lambda q: True)
+    monkeypatch.setattr(attention, "_flash_varlen", lambda: lambda *a, **kw: fake_flash_varlen(*a, **kw, exact=True))
+    FLASH_BACKWARDS.clear()
+    pruned = _run(model, keep, prune=True)
+    queries = 53 if len(keep) > 3 else 3  # layer 1: the kept suffixes, or one row per sequence
+    assert FLASH_BACKWARDS == [(queries, 23 if len(keep) > 3 else 1), (BOUNDS[-1], 30)]
+    for got, want in zip(pruned, whole):
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-11)
+    forwards = []
+    monkeypatch.setattr(attention, "_flash_varlen", lambda: lambda *a, **kw: forwards.append(
+        (a[0].shape[0], a[5])) or fake_flash_varlen(*a, **kw))
+    FLASH_BACKWARDS.clear()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    _run(model.to(torch.bfloat16), keep, prune=True, grad_ckpt=True)
+    # layers 0, 1, then in the backward layer 1 again (the pruned one), then layer 0
+    assert len(forwards) == 4 and forwards[1] == forwards[2] == (queries, 23 if len(keep) > 3 else 1)
+    assert len(FLASH_BACKWARDS) == 2  # each layer's forward ran again in the backward
+
+
 def test_plan_keeps_each_sequences_suffix_and_skips_when_that_is_all():
+    # a ring's context is refused here too, not only by `resolve`: its suffixes would lose the ring
+    with pytest.raises(NotImplementedError, match="sequence parallelism"):
+        last_layer.plan(PackedContext(torch.tensor([0, 4], dtype=torch.int32), 4, sp_group=object()),
+                        torch.tensor([3]))
     # an empty sequence, then [0, 4) and [4, 9)
     ctx = PackedContext(torch.tensor([0, 0, 4, 9], dtype=torch.int32), 5)
     assert last_layer.plan(ctx, torch.tensor([2, 3, 6, 8])).tolist() == [0, 1, 2, 4]

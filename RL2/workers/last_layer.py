@@ -56,6 +56,8 @@ def install(model: torch.nn.Module) -> bool:
 def plan(ctx: PackedContext, keep: torch.Tensor) -> torch.Tensor | None:
     """Set `ctx.last_rows` for the kept positions `keep` (sorted row indices) and return them as
     indices into the pruned rows (for `logits_to_keep`); None when nothing would be skipped."""
+    if ctx.sp_group is not None:  # `resolve` refuses it; the sub-context would lose the ring
+        raise NotImplementedError("prune_last_layer with sequence parallelism (sp_size > 1)")
     b = ctx.bounds
     starts = torch.tensor(b[:-1], device=keep.device)
     at = torch.searchsorted(keep, starts)  # each sequence's first kept index, if inside it

@@ -241,7 +241,7 @@ def run(args) -> str:
     name = f"{os.path.basename(os.path.normpath(args.model))}, " if args.model else ""
     head = (f"### RL2 vs TRL ({machine_description('cpu', args.threads)}; model {name}{n_params / 1e6:.1f}M "
             f"params; {args.dtype}; matmul peak {peak[1] / 1e9:.0f} GFLOP/s with 1 thread, "
-            f"{peak[args.threads] / 1e9:.0f} with {args.threads} (medians of {len(args.only)} "
+            f"{peak[args.threads] / 1e9:.0f} with {args.threads} (medians of {len(peaks[1])} "
             f"measurements in this run); medians of {args.repeats} steps after 1 warm-up"
             + (f", then of {args.rounds} rounds" if args.rounds > 1 else "") + f"; {elapsed:.0f} s)")
     legend = ("Each cell: the figure (% of the matmul peak: 6N FLOP per trained token, +2N per "

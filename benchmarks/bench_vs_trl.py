@@ -264,6 +264,7 @@ def run(args) -> str:
                   f"{cpu_peak / 1e9:.0f} GFLOP/s:",
                   ratio_table(cpu, {c: cpu_peak * (2 if "2x1" in c else 1) for c in columns}, columns,
                               cpu_ratios)]
+    # raw[workload][column]: one list of steps per round
     return "\n\n".join(parts + notes + ["```json\n" + json.dumps({"peak": col_peak, "raw": raw}) + "\n```"])
 
 
@@ -289,6 +290,7 @@ def parse_args(argv=None):
                    help="bfloat16: TRL's default mixed precision (CPU autocast) against RL2's "
                         "actor.dtype=bfloat16 (FSDP2 bf16 compute, fp32 master weights)")
     args = p.parse_args(argv)
+    args.only = list(dict.fromkeys(args.only))  # a workload named twice runs once per round
     if args.rounds < 1:
         p.error(f"--rounds {args.rounds}: at least 1")
     if args.repeats is None:

@@ -84,8 +84,8 @@ def test_run_interleaves_the_rounds(monkeypatch):
     def fake(who):
         def run(workload, *a, **kw):
             calls.append((who, workload))
-            trl_time = [1.0, 2.0, 1.0][sum(c[0] == "trl" for c in calls) - 1]
-            return _steps([9.0, trl_time if who == "trl" else 0.5])
+            r = sum(c[0] == "trl" for c in calls) - 1  # this round
+            return _steps([9.0, [1.0, 2.0, 4.0][r] if who == "trl" else [0.5, 0.5, 1.0][r]])
         return run
     monkeypatch.setattr(B, "trl_available", lambda: True)
     monkeypatch.setattr(B, "run_trl", fake("trl"))
@@ -96,8 +96,9 @@ def test_run_interleaves_the_rounds(monkeypatch):
     assert calls == [("trl", "sft")] + [("rl2", "sft")] * n + [("trl", "sft")] + [("rl2", "sft")] * n \
         + [("trl", "sft")] + [("rl2", "sft")] * n
     assert "then of 3 rounds" in text
-    # RL2 0.5 s against TRL 1, 2, 1 s: speed-ups 2, 4, 2 (median 2)
-    assert "2.00, 4.00, 2.00 (median **2.00x**)" in text
+    # RL2 0.5, 0.5, 1 s against TRL 1, 2, 4 s: speed-ups 2, 4, 4 in that order (rounds paired
+    # in reverse would read 8, 4, 1)
+    assert "2.00, 4.00, 4.00 (median **4.00x**)" in text
 
 
 @pytest.mark.slow

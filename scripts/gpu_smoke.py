@@ -187,10 +187,11 @@ def check_engine_kl(rows) -> tuple[str, str]:
 
 
 def print_table(table):
-    print(f"\n{'case':<24} {'result':<6} {'tokens/s':>9} {'peak MiB':>9}  detail")
+    width = max([len("case")] + [len(row[0]) for row in table])
+    print(f"\n{'case':<{width}} {'result':<6} {'tokens/s':>9} {'peak MiB':>9}  detail")
     for case, status, detail, tps, peak in table:
         tps_s = "-" if math.isnan(tps) else f"{tps:.0f}"
-        print(f"{case:<24} {status:<6} {tps_s:>9} {peak or '-':>9}  {detail}")
+        print(f"{case:<{width}} {status:<6} {tps_s:>9} {peak or '-':>9}  {detail}")
     fails = sum(row[1] == "FAIL" for row in table)
     print(f"\n{'FAIL' if fails else 'PASS'}: {len(table) - fails} of {len(table)} cases passed "
           f"(timings on a shared machine are indicative only)")

@@ -14,9 +14,10 @@ download; or a checkpoint with `--model DIR`, e.g. SmolLM2-135M), same rows
   (generation + rewards) and the update are timed separately.
 TRL runs in one process with 2 threads; RL2 as 1 process x 2 threads and 2 processes x 1 thread
 (torchrun). On a loaded machine two OpenMP threads in one process can run far slower than one
-(they wait for each other at every op): `--threads 1` compares TRL and RL2 1x1 (plus RL2 2x1). Each figure is the median over `--repeats` steps after one warm-up step, wall clock; with
+(they wait for each other at every op): `--threads 1` compares TRL and RL2 1x1 (plus RL2 2x1).
+Each figure is the median over `--repeats` steps after one warm-up step, wall clock; with
 `--rounds R` every library runs R times, interleaved, and each figure and speed-up is the median
-over the rounds (TRL's own speed moved 7% between processes on one machine).
+over the rounds (either library's speed moved 5-10% between processes on one shared machine).
 Every figure is also given as a fraction of the fp32 matmul peak measured in this run on the
 cores the configuration uses (FLOPs: 6N per trained token, 2N per reference/generation token, N = parameters): what a
 library reaches out of what the machine can do. TRL is optional: without it, its column says so.

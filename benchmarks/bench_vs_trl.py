@@ -149,11 +149,11 @@ def combine_rounds(rounds: list[dict]) -> tuple[dict, dict]:
         for col in rounds[0][workload]:
             per = [r[workload][col] for r in rounds]
             merged[workload][col] = {k: median([p[k] for p in per]) for k in per[0]}
-            if col == "TRL":
+            if col == "TRL" or "TRL" not in rounds[0][workload]:
                 continue
             ratios[workload][col] = {
                 key: [speedup(r[workload][col], r[workload]["TRL"], key, higher) for r in rounds]
-                for _, key, _, higher in FIGURES[workload] if "TRL" in rounds[0][workload]}
+                for _, key, _, higher in FIGURES[workload]}
     return merged, ratios
 
 
@@ -236,9 +236,11 @@ def run(args) -> str:
     peak = {t: median(v) for t, v in peaks.items()}
     # A column's peak: the matmul rate of the cores it uses (2 x 1 = two one-thread processes).
     col_peak = {c: 2 * peak[1] if "2x1" in c else peak[args.threads] for c in columns}
-    per_round = [{w: {c: summarize(w, st[i], n_params) for c, st in r.items()} for w, r in raw.items()}
-                 for i in range(args.rounds)]
-    results, ratios = combine_rounds(per_round)
+    def by_round(clock: str) -> tuple[dict, dict]:  # raw[workload][column][round] -> combine_rounds
+        return combine_rounds([{w: {c: summarize(w, st[i], n_params, clock) for c, st in r.items()}
+                                for w, r in raw.items()} for i in range(args.rounds)])
+
+    results, ratios = by_round("wall")
     name = f"{os.path.basename(os.path.normpath(args.model))}, " if args.model else ""
     head = (f"### RL2 vs TRL ({machine_description('cpu', args.threads)}; model {name}{n_params / 1e6:.1f}M "
             f"params; {args.dtype}; matmul peak {peak[1] / 1e9:.0f} GFLOP/s with 1 thread, "
@@ -256,16 +258,13 @@ def run(args) -> str:
                   f"median of these speed-ups):", rounds_table(ratios, columns)]
     if args.threads == 1:  # process CPU time = wall time on an idle core, for 1-thread processes
         cpu_peak = median(cpu_peaks)
-        cpu, cpu_ratios = combine_rounds(
-            [{w: {c: summarize(w, st[i], n_params, "cpu") for c, st in r.items()} for w, r in raw.items()}
-             for i in range(args.rounds)])
+        cpu, cpu_ratios = by_round("cpu")
         parts += [f"Process CPU time (rank 0; one thread per process, so this is the time each "
                   f"process would take on a core of its own: robust to other tenants' load; gloo "
                   f"waits that sleep are not counted). 1-thread matmul peak in CPU time "
                   f"{cpu_peak / 1e9:.0f} GFLOP/s:",
                   ratio_table(cpu, {c: cpu_peak * (2 if "2x1" in c else 1) for c in columns}, columns,
                               cpu_ratios)]
-    # raw[workload][column]: one list of steps per round
     return "\n\n".join(parts + notes + ["```json\n" + json.dumps({"peak": col_peak, "raw": raw}) + "\n```"])
 
 

@@ -316,14 +316,15 @@ def _flash_checks(q, k, v, cu_q, cu_k, max_q, max_k, exact):
     assert max_q >= int(cu_q.diff().max()) and max_k >= int(cu_k.diff().max())
 
 
-def _flash_scores(q, k, cu_q, cu_k, scale, dtype):
-    """Per sequence: (row range, key range, masked scores [heads, n, m]) in `dtype`."""
+def _flash_blocks(q, k, v, cu_q, cu_k, scale, dtype):
+    """Per sequence, in `dtype`: its rows (s, e) and keys (sk, ek), its q [heads, n, d], its K/V
+    repeated for every query head [heads, m, d], and the masked scores [heads, n, m]."""
     groups = q.shape[1] // k.shape[1]
     for s, e, sk, ek in zip(cu_q[:-1].tolist(), cu_q[1:].tolist(), cu_k[:-1].tolist(), cu_k[1:].tolist()):
         qs = q[s:e].transpose(0, 1).to(dtype)
-        ks = k[sk:ek].transpose(0, 1).to(dtype).repeat_interleave(groups, 0)
+        ks, vs = (t[sk:ek].transpose(0, 1).to(dtype).repeat_interleave(groups, 0) for t in (k, v))
         mask = torch.ones(e - s, ek - sk, dtype=torch.bool).tril(ek - sk - (e - s))  # bottom right
-        yield (s, e), (sk, ek), (qs @ ks.transpose(1, 2) * scale).masked_fill(~mask, float("-inf"))
+        yield (s, e, sk, ek), qs, ks, vs, (qs @ ks.transpose(1, 2) * scale).masked_fill(~mask, float("-inf"))
 
 
 class _FakeFlashVarlen(torch.autograd.Function):
@@ -341,9 +342,7 @@ class _FakeFlashVarlen(torch.autograd.Function):
         scale = d ** -0.5 if scale is None else scale
         work = torch.float64 if q.dtype == torch.float64 else torch.float32
         out, lse = torch.empty_like(q), torch.empty(heads, total, dtype=work)  # kernel: fp32 lse
-        groups = heads // heads_k
-        for (s, e), (sk, ek), scores in _flash_scores(q, k, cu_q, cu_k, scale, work):
-            vs = v[sk:ek].transpose(0, 1).to(work).repeat_interleave(groups, 0)
+        for (s, e, _, _), _, _, vs, scores in _flash_blocks(q, k, v, cu_q, cu_k, scale, work):
             out[s:e] = (scores.softmax(-1) @ vs).transpose(0, 1).to(q.dtype)
             lse[:, s:e] = scores.logsumexp(-1)
         ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
@@ -364,15 +363,16 @@ class _FakeFlashVarlen(torch.autograd.Function):
         assert out.stride(-1) == 1 and causal
         work, groups = lse.dtype, q.shape[1] // k.shape[1]
         dq, dk, dv = (torch.zeros(t.shape, dtype=work) for t in (q, k, v))
-        for (s, e), (sk, ek), scores in _flash_scores(q, k, cu_q, cu_k, scale, work):
+
+        def per_kv(x):  # [heads, m, d] -> [m, heads_k, d]: a K/V head sums its query heads
+            return x.unflatten(0, (-1, groups)).sum(1).transpose(0, 1)
+
+        for (s, e, sk, ek), qs, ks, vs, scores in _flash_blocks(q, k, v, cu_q, cu_k, scale, work):
             p = (scores - lse[:, s:e, None]).exp()
             do, o = (t[s:e].transpose(0, 1).to(work) for t in (dout, out))
-            vs = v[sk:ek].transpose(0, 1).to(work).repeat_interleave(groups, 0)
-            ks = k[sk:ek].transpose(0, 1).to(work).repeat_interleave(groups, 0)
             ds = p * (do @ vs.transpose(1, 2) - (do * o).sum(-1, keepdim=True))
             dq[s:e] = (ds @ ks * scale).transpose(0, 1)
-            per_kv = lambda x: x.unflatten(0, (-1, groups)).sum(1).transpose(0, 1)  # noqa: E731
-            dk[sk:ek] += per_kv(ds.transpose(1, 2) @ q[s:e].transpose(0, 1).to(work) * scale)
+            dk[sk:ek] += per_kv(ds.transpose(1, 2) @ qs * scale)
             dv[sk:ek] += per_kv(p.transpose(1, 2) @ do)
         FLASH_BACKWARDS.append((q.shape[0], max_q))
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), *[None] * 8

@@ -64,9 +64,11 @@ def _eligible(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def _transposed(x: torch.Tensor) -> torch.Tensor:
-    """x.t().contiguous(): oneDNN's product wants both operands with the contraction dimension
-    last. RL2's kernel moves a [1376, 1536] fp32 matrix ~4x faster than PyTorch's strided copy,
-    which took 15% of a 2-thread policy update (benchmarks/README.md, fix 37)."""
+    """x.t().contiguous(), for a product's first operand: `_linear_pointwise` makes its input
+    contiguous with PyTorch's strided copy, which RL2's kernel beats ~4x on a [1376, 1536] fp32
+    matrix (15% of a 2-thread policy update; benchmarks/README.md, fix 37). The weight operand
+    needs no copy: ATen wraps it with its strides and oneDNN reorders it into its blocked
+    layout on every call anyway, so a transposed view costs nothing extra (fix 48)."""
     y = small_gemm.transpose(x) if x.dtype == torch.float32 else None
     return x.t().contiguous() if y is None else y
 
@@ -85,10 +87,10 @@ class OneDNNLinear(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         g = grad.reshape(-1, grad.shape[-1])
         grad_x = grad_w = grad_b = None
-        if ctx.needs_input_grad[0]:  # g @ W: W.T [in, out] is the "weight" of this product
-            grad_x = _mm(g, _transposed(weight), None).view(*grad.shape[:-1], weight.shape[1])
+        if ctx.needs_input_grad[0]:  # g @ W: the view W.T [in, out] is the "weight" of this product
+            grad_x = _mm(g, weight.t(), None).view(*grad.shape[:-1], weight.shape[1])
         if ctx.needs_input_grad[1]:  # g.T @ x: rows are output features, contraction over tokens
-            grad_w = _mm(_transposed(g), _transposed(x.reshape(-1, x.shape[-1])), None)
+            grad_w = _mm(_transposed(g), x.reshape(-1, x.shape[-1]).t(), None)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = g.sum(0)
         return grad_x, grad_w, grad_b

@@ -8,6 +8,7 @@ import textwrap
 import time
 
 import pytest
+import torch
 
 from tests.dist_utils import free_port
 
@@ -135,3 +136,50 @@ def test_keep_freed_memory_reuses_freed_blocks_without_new_page_faults():
     assert out.returncode == 0, out.stderr[-2000:]
     default, kept = map(int, out.stdout.split())
     assert default > 50000 and kept < 500, (default, kept)
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch has no oneDNN")
+def test_cap_onednn_caches_bounds_the_memory_new_shapes_keep():
+    # a fresh process each (the caches read their capacity once): products of 80 token counts,
+    # each new to oneDNN; the memory malloc hands out grows with every new shape by default and
+    # stops growing once the capped caches are full
+    code = textwrap.dedent("""
+        import ctypes, sys, torch
+        from RL2.utils.process import cap_onednn_caches
+
+        class Info(ctypes.Structure):  # glibc's struct mallinfo2
+            _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks",
+                        "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+        libc = ctypes.CDLL(None)
+        libc.mallinfo2.restype = Info
+        if sys.argv[1] == "capped":
+            cap_onednn_caches(8)
+        torch.set_num_threads(1)
+        w = torch.randn(256, 128)
+        for t in range(40, 80):
+            torch.ops.mkldnn._linear_pointwise(torch.randn(t, 128), w, None, "none", [], "")
+        before = libc.mallinfo2().uordblks
+        for t in range(80, 120):
+            torch.ops.mkldnn._linear_pointwise(torch.randn(t, 128), w, None, "none", [], "")
+        print(libc.mallinfo2().uordblks - before)
+    """)
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")}
+    grown = {}
+    for mode in ("default", "capped"):
+        out = subprocess.run([sys.executable, "-c", code, mode], capture_output=True, text=True,
+                             timeout=120, env=env)
+        assert out.returncode == 0, out.stderr[-2000:]
+        grown[mode] = int(out.stdout)
+    assert grown["default"] > 40 * 50_000 and grown["capped"] < 1_000_000, grown
+
+
+def test_init_distributed_caps_onednn_caches_on_the_cpu_keeping_a_users_value():
+    code = ("import os\nfrom RL2.parallel.mesh import init_distributed\ninit_distributed('cpu')\n"
+            "print(os.environ['LRU_CACHE_CAPACITY'], os.environ['ONEDNN_PRIMITIVE_CACHE_CAPACITY'])")
+    env = {k: v for k, v in os.environ.items() if k not in ("LRU_CACHE_CAPACITY", "MASTER_PORT")}
+    env["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] = "32"  # set by the user: kept
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["256", "32"]

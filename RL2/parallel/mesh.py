@@ -38,9 +38,10 @@ def init_distributed(device: str = "auto") -> str:
         if device == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         else:  # a CPU step's tensors are malloc'd memory: reuse it, no fresh pages each step
-            from RL2.utils.process import keep_freed_memory
+            from RL2.utils.process import cap_onednn_caches, keep_freed_memory
 
             keep_freed_memory()
+            cap_onednn_caches()
         dist.init_process_group("nccl" if device == "cuda" else "gloo")
     return device
 

@@ -99,3 +99,20 @@ def keep_freed_memory() -> bool:
     # vocabulary's logits) still fault anew: here a 64 MB block did so with a 1 GB threshold too.
     _KEEP_FREED = bool(mallopt(m_mmap_threshold, MMAP_THRESHOLD)) and bool(mallopt(m_trim_threshold, 2 ** 31 - 1))
     return _KEEP_FREED
+
+
+# Entries of oneDNN's primitive cache and of ideep's (PyTorch's oneDNN wrapper) descriptor cache:
+# a few shapes' worth (one micro-batch's token count T makes ~25 entries: each linear shape's
+# forward, input- and weight-gradient products)
+ONEDNN_CACHE_ENTRIES = 256
+
+
+def cap_onednn_caches(entries: int = ONEDNN_CACHE_ENTRIES) -> None:
+    """Bound the memory that oneDNN's caches keep. On the CPU every new token count of a
+    micro-batch makes new entries for every linear product (~0.65 MB an entry here, ideep's and
+    oneDNN's together) and both caches hold 1024 by default: a GRPO run, whose micro-batches vary
+    in length, grew its resident memory by ~15 MB a step, towards ~0.65 GB more
+    (benchmarks/README.md, fix 49). Its steps were as fast with 64 entries. Read when oneDNN
+    first runs: call before any oneDNN op; a value set in the environment is kept."""
+    for key in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"):
+        os.environ.setdefault(key, str(entries))

@@ -1,6 +1,7 @@
 """Stopping a job stops it: killing torchrun's process group leaves no trainer worker (they run in
 their own sessions, so the group kill does not reach them) and no env worker process."""
 import os
+import platform
 import signal
 import subprocess
 import sys
@@ -138,7 +139,17 @@ def test_keep_freed_memory_reuses_freed_blocks_without_new_page_faults():
     assert default > 50000 and kept < 500, (default, kept)
 
 
-@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch has no oneDNN")
+def _glibc_mallinfo2() -> bool:
+    try:
+        import ctypes
+        return hasattr(ctypes.CDLL(None), "mallinfo2")
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available() or platform.machine() != "x86_64"
+                    or not _glibc_mallinfo2(),
+                    reason="measured with x86 oneDNN and glibc's mallinfo2")
 def test_cap_onednn_caches_bounds_the_memory_new_shapes_keep():
     # a fresh process each (the caches read their capacity once): products of 80 token counts,
     # each new to oneDNN; the memory malloc hands out grows with every new shape by default and

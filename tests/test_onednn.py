@@ -210,6 +210,36 @@ def test_backward_transposes_through_the_kernel_with_the_same_bits(counted, monk
     assert all(torch.equal(a, b) for a, b in zip(*grads))
 
 
+def test_non_dense_operands_are_copied_not_sent_to_the_reference_kernel(monkeypatch):
+    # a sliced or expanded operand as oneDNN's weight runs its reference kernel (~1000x slower,
+    # fix 48's review): the backward copies such an x transposed, and a sliced weight keeps
+    # F.linear; the gradients stay those of float64 arithmetic
+    calls = {"n": 0}
+    real = onednn._transposed
+
+    def counting(t):
+        calls["n"] += 1
+        return real(t)
+    monkeypatch.setattr(onednn, "_transposed", counting)
+    torch.manual_seed(0)
+    wide, w0 = torch.randn(2, 30, 128), torch.randn(40, 96)
+    for x0, copies in ((wide[..., :96], 2), (torch.randn(96).expand(2, 30, 96), 2),
+                       (wide[..., :96].contiguous(), 1)):
+        calls["n"] = 0
+        x, w = x0.clone() if x0.is_contiguous() else x0, torch.nn.Parameter(w0.clone())
+        x = x.detach().requires_grad_()
+        g = torch.randn(2, 30, 40)
+        onednn.linear(x, w).backward(g)
+        assert calls["n"] == copies  # g, and x unless its transposed view is dense
+        g2, x2 = g.reshape(-1, 40).double(), x0.reshape(-1, 96).double()
+        assert torch.allclose(w.grad.double(), g2.t() @ x2, atol=1e-4)
+        assert torch.allclose(x.grad.double(), (g2 @ w0.double()).view(2, 30, 96), atol=1e-4)
+    sliced = torch.randn(40, 128)[:, :96]  # not dense: not eligible, F.linear's autograd
+    x = torch.randn(2, 30, 96)
+    assert not onednn._eligible(x, sliced) and onednn._eligible(x, sliced.contiguous())
+    assert onednn._eligible(x, torch.randn(96, 40).t())  # column-major: dense
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_backward_weight_operands_as_views_give_the_same_bits(dtype):
     # fix 48: the products' second operand goes as a transposed view, which oneDNN reorders

@@ -174,8 +174,7 @@ def test_cap_onednn_caches_bounds_the_memory_new_shapes_keep():
             torch.ops.mkldnn._linear_pointwise(torch.randn(t, 128), w, None, "none", [], "")
         print(libc.mallinfo2().uordblks - before)
     """)
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")}
+    env = {k: v for k, v in os.environ.items() if k not in _CACHE_KEYS}
     grown = {}
     for mode in ("default", "capped"):
         out = subprocess.run([sys.executable, "-c", code, mode], capture_output=True, text=True,
@@ -185,12 +184,25 @@ def test_cap_onednn_caches_bounds_the_memory_new_shapes_keep():
     assert grown["default"] > 40 * 50_000 and grown["capped"] < 1_000_000, grown
 
 
-def test_init_distributed_caps_onednn_caches_on_the_cpu_keeping_a_users_value():
+_CACHE_KEYS = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "DNNL_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
+
+
+@pytest.mark.parametrize("user", [{"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "32"},
+                                  {"DNNL_PRIMITIVE_CACHE_CAPACITY": "32"}, {"LRU_CACHE_CAPACITY": "32"}])
+def test_init_distributed_caps_onednn_caches_on_the_cpu_keeping_a_users_value(user):
     code = ("import os\nfrom RL2.parallel.mesh import init_distributed\ninit_distributed('cpu')\n"
-            "print(os.environ['LRU_CACHE_CAPACITY'], os.environ['ONEDNN_PRIMITIVE_CACHE_CAPACITY'])")
-    env = {k: v for k, v in os.environ.items() if k not in ("LRU_CACHE_CAPACITY", "MASTER_PORT")}
-    env["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] = "32"  # set by the user: kept
+            "print(*(os.environ.get(k, '-') for k in %r))" % (_CACHE_KEYS,))
+    # a fresh single process: none of a launcher's rendezvous variables
+    env = {k: v for k, v in os.environ.items() if k not in _CACHE_KEYS + (
+        "MASTER_PORT", "MASTER_ADDR", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                         env=env)
+                         env={**env, **user})
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.split() == ["256", "32"]
+    expected = {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "256", "DNNL_PRIMITIVE_CACHE_CAPACITY": "-",
+                "LRU_CACHE_CAPACITY": "256", **user}
+    if "DNNL_PRIMITIVE_CACHE_CAPACITY" in user:  # oneDNN's older name: honoured, not overridden
+        expected["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] = "-"
+    assert out.stdout.split() == [expected[k] for k in _CACHE_KEYS]
+    from RL2.utils.process import cap_onednn_caches
+    with pytest.raises(ValueError, match=">= 1"):
+        cap_onednn_caches(0)

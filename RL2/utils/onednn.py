@@ -57,18 +57,25 @@ def _mm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> tor
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
+def _dense(t: torch.Tensor) -> bool:
+    """A 2-D operand oneDNN's product takes as it is: row- or column-major without gaps. Any
+    other strides (a slice, an expanded tensor) send the product to oneDNN's reference kernel,
+    ~1000x slower (seen at [512, 256] x [768, 256])."""
+    return t.is_contiguous() or t.t().is_contiguous()
+
+
 def _eligible(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return (x.device.type == "cpu" and x.dtype in _DTYPES and weight.dtype == x.dtype
             and type(weight) in (torch.Tensor, torch.nn.Parameter)  # not a DTensor / subclass
-            and type(x) is torch.Tensor)
+            and type(x) is torch.Tensor and weight.dim() == 2 and _dense(weight))
 
 
 def _transposed(x: torch.Tensor) -> torch.Tensor:
     """x.t().contiguous(), for a product's first operand: `_linear_pointwise` makes its input
     contiguous with PyTorch's strided copy, which RL2's kernel beats ~4x on a [1376, 1536] fp32
     matrix (15% of a 2-thread policy update; benchmarks/README.md, fix 37). The weight operand
-    needs no copy: ATen wraps it with its strides and oneDNN reorders it into its blocked
-    layout on every call anyway, so a transposed view costs nothing extra (fix 48)."""
+    needs no copy when dense (`_dense`): ATen wraps it with its strides and oneDNN's product
+    takes a transposed one as it is (fix 48)."""
     y = small_gemm.transpose(x) if x.dtype == torch.float32 else None
     return x.t().contiguous() if y is None else y
 
@@ -87,10 +94,11 @@ class OneDNNLinear(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         g = grad.reshape(-1, grad.shape[-1])
         grad_x = grad_w = grad_b = None
-        if ctx.needs_input_grad[0]:  # g @ W: the view W.T [in, out] is the "weight" of this product
+        if ctx.needs_input_grad[0]:  # g @ W: W.T [in, out] is the "weight" of this product
             grad_x = _mm(g, weight.t(), None).view(*grad.shape[:-1], weight.shape[1])
         if ctx.needs_input_grad[1]:  # g.T @ x: rows are output features, contraction over tokens
-            grad_w = _mm(_transposed(g), x.reshape(-1, x.shape[-1]).t(), None)
+            xt = x.reshape(-1, x.shape[-1]).t()
+            grad_w = _mm(_transposed(g), xt if _dense(xt) else _transposed(xt.t()), None)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = g.sum(0)
         return grad_x, grad_w, grad_b

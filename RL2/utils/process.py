@@ -113,6 +113,10 @@ def cap_onednn_caches(entries: int = ONEDNN_CACHE_ENTRIES) -> None:
     oneDNN's together) and both caches hold 1024 by default: a GRPO run, whose micro-batches vary
     in length, grew its resident memory by ~15 MB a step, towards ~0.65 GB more
     (benchmarks/README.md, fix 49). Its steps were as fast with 64 entries. Read when oneDNN
-    first runs: call before any oneDNN op; a value set in the environment is kept."""
-    for key in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"):
-        os.environ.setdefault(key, str(entries))
+    first runs: call before any oneDNN op; a value set in the environment is kept (oneDNN also
+    reads its older name, DNNL_PRIMITIVE_CACHE_CAPACITY)."""
+    if entries < 1:  # ideep crashes on its first product with LRU_CACHE_CAPACITY=0
+        raise ValueError(f"cap_onednn_caches: entries must be >= 1, got {entries}")
+    if "DNNL_PRIMITIVE_CACHE_CAPACITY" not in os.environ:
+        os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(entries))
+    os.environ.setdefault("LRU_CACHE_CAPACITY", str(entries))

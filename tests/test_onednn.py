@@ -226,8 +226,7 @@ def test_non_dense_operands_are_copied_not_sent_to_the_reference_kernel(monkeypa
     for x0, copies in ((wide[..., :96], 2), (torch.randn(96).expand(2, 30, 96), 2),
                        (wide[..., :96].contiguous(), 1)):
         calls["n"] = 0
-        x, w = x0.clone() if x0.is_contiguous() else x0, torch.nn.Parameter(w0.clone())
-        x = x.detach().requires_grad_()
+        x, w = x0.detach().requires_grad_(), torch.nn.Parameter(w0.clone())
         g = torch.randn(2, 30, 40)
         onednn.linear(x, w).backward(g)
         assert calls["n"] == copies  # g, and x unless its transposed view is dense
@@ -242,9 +241,9 @@ def test_non_dense_operands_are_copied_not_sent_to_the_reference_kernel(monkeypa
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_backward_weight_operands_as_views_give_the_same_bits(dtype):
-    # fix 48: the products' second operand goes as a transposed view, which oneDNN reorders
-    # itself (ATen's _linear_pointwise copies only its first operand); the gradients are bit for
-    # bit those of products on contiguous transposed copies
+    # fix 48: the products' second operand goes as a transposed view, which oneDNN's product
+    # takes as it is (ATen's _linear_pointwise copies only its first operand); the gradients are
+    # bit for bit those of products on contiguous transposed copies
     torch.manual_seed(0)
     x0, w0, g = (torch.randn(*s, dtype=dtype) for s in ((3, 45, 96), (80, 96), (3, 45, 80)))
     x, w = x0.clone().requires_grad_(), torch.nn.Parameter(w0.clone())

@@ -139,6 +139,9 @@ def test_keep_freed_memory_reuses_freed_blocks_without_new_page_faults():
     assert default > 50000 and kept < 500, (default, kept)
 
 
+_CACHE_KEYS = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "DNNL_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
+
+
 def _glibc_mallinfo2() -> bool:
     try:
         import ctypes
@@ -182,9 +185,6 @@ def test_cap_onednn_caches_bounds_the_memory_new_shapes_keep():
         assert out.returncode == 0, out.stderr[-2000:]
         grown[mode] = int(out.stdout)
     assert grown["default"] > 40 * 50_000 and grown["capped"] < 1_000_000, grown
-
-
-_CACHE_KEYS = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "DNNL_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
 
 
 @pytest.mark.parametrize("user", [{"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "32"},

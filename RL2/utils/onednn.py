@@ -97,8 +97,8 @@ class OneDNNLinear(torch.autograd.Function):
         if ctx.needs_input_grad[0]:  # g @ W: W.T [in, out] is the "weight" of this product
             grad_x = _mm(g, weight.t(), None).view(*grad.shape[:-1], weight.shape[1])
         if ctx.needs_input_grad[1]:  # g.T @ x: rows are output features, contraction over tokens
-            xt = x.reshape(-1, x.shape[-1]).t()
-            grad_w = _mm(_transposed(g), xt if _dense(xt) else _transposed(xt.t()), None)
+            x2 = x.reshape(-1, x.shape[-1])
+            grad_w = _mm(_transposed(g), x2.t() if _dense(x2) else _transposed(x2), None)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = g.sum(0)
         return grad_x, grad_w, grad_b

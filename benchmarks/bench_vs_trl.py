@@ -15,6 +15,8 @@ download; or a checkpoint with `--model DIR`, e.g. SmolLM2-135M), same rows
 TRL runs in one process with 2 threads; RL2 as 1 process x 2 threads and 2 processes x 1 thread
 (torchrun). On a loaded machine two OpenMP threads in one process can run far slower than one
 (they wait for each other at every op): `--threads 1` compares TRL and RL2 1x1 (plus RL2 2x1).
+"RL2 2x1 alone" (SFT, DPO): two one-thread processes that never communicate, each computing one
+rank's share of every batch: the bound 2 x 1 would reach if its collectives cost nothing.
 Each figure is the median over `--repeats` steps after one warm-up step, wall clock; with
 `--rounds R` every library runs R times, interleaved, and each figure and speed-up is the median
 over the rounds (either library's speed moved 5-10% between processes on one shared machine).
@@ -51,6 +53,13 @@ def layouts(threads: int) -> list[tuple[str, int, int, list[str], tuple]]:
             ("RL2 2x1 ddp", 2, 1, ["actor.ddp_size=2"], WORKLOADS),
             ("RL2 2x1 sp", 2, 1, ["actor.sp_size=2"], WORKLOADS),
             ("RL2 2x1 rg1", 2, 1, ["actor.rollout.tp_size=1"], ("grpo",))]
+
+
+# Two one-thread processes that never talk, each computing one data-parallel rank's share of every
+# SFT / DPO batch (vs_trl_rl2.py --part): what 2 x 1 would cost without FSDP's collectives and
+# without the ranks waiting for each other at every step; a step counts as the slower process's.
+ALONE = "RL2 2x1 alone"
+ALONE_WORKLOADS = ("sft", "dpo")
 
 
 def trl_available() -> bool:
@@ -101,6 +110,44 @@ def run_rl2(workload: str, root: str, nproc: int, threads: int, args, keys: list
          + ["--override", *args.rl2_override, *keys],
          threads, args.timeout, root)
     return _load(out)
+
+
+def run_rl2_alone(workload: str, root: str, args) -> list[dict]:
+    """Both shares at once, each in a 1-process torchrun; step i: the slower process's time
+    (and its CPU time), the tokens of both."""
+    outs = [os.path.join(root, f"rl2_{workload}_alone_{h}.json") for h in (0, 1)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
+               WANDB_MODE="offline", PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    procs = [subprocess.Popen(
+        _torchrun(1, root) + [os.path.join(HERE, "vs_trl_rl2.py"), "--workload", workload,
+                              "--assets", root, "--steps", str(args.repeats + 1), "--threads", "1",
+                              "--dtype", args.dtype, "--part", f"{h}/2", "--out", out,
+                              "--override", *args.rl2_override],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env, cwd=root)
+        for h, out in enumerate(outs)]
+    errors = []
+    for proc in procs:  # both are waited for (and killed on a timeout), whatever the other did
+        try:
+            _, err = proc.communicate(timeout=args.timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            _, err = proc.communicate()
+            err = f"timed out after {args.timeout} s\n{err}"
+        if proc.returncode != 0:
+            errors.append(err[-2000:])
+    if errors:
+        raise RuntimeError("vs_trl_rl2.py --part ... failed:\n" + "\n".join(errors))
+    return merge_alone([_load(out) for out in outs])
+
+
+def merge_alone(runs: list[list[dict]]) -> list[dict]:
+    """Step by step: the slowest process's wall and CPU time, the tokens of all."""
+    steps = []
+    for parts in zip(*runs):
+        slow = max(parts, key=lambda s: s["time"])
+        steps.append({"time": slow["time"], "cpu": slow["cpu"],
+                      "tokens": sum(s["tokens"] for s in parts)})
+    return steps
 
 
 def summarize(workload: str, steps: list[dict], n_params: int, clock: str = "wall") -> dict:
@@ -205,7 +252,7 @@ def run(args) -> str:
     from benchmarks.vs_trl_data import FULL_MODEL, QUICK_MODEL, build_assets
 
     with_trl = trl_available() and not args.no_trl
-    columns = ["TRL"] + [name for name, *_ in layouts(args.threads)]
+    columns = ["TRL"] + [name for name, *_ in layouts(args.threads)] + [ALONE]
     peaks, cpu_peaks, notes = {1: [], args.threads: []}, [], []
     if not with_trl:
         notes.append("TRL skipped: " + ("--no-trl" if args.no_trl else
@@ -232,6 +279,8 @@ def run(args) -> str:
                     if workload in workloads:
                         runs.setdefault(name, []).append(
                             run_rl2(workload, root, nproc, threads, args, keys))
+                if workload in ALONE_WORKLOADS:
+                    runs.setdefault(ALONE, []).append(run_rl2_alone(workload, root, args))
         elapsed = time.perf_counter() - start
     peak = {t: median(v) for t, v in peaks.items()}
     # A column's peak: the matmul rate of the cores it uses (2 x 1 = two one-thread processes).

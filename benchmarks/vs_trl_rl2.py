@@ -11,6 +11,11 @@ The library path of RL2's trainers:
 Each step is timed on the wall clock (between barriers) and in process CPU time (rank 0; what
 the step costs without the other tenants of a loaded machine). Rank 0 writes
 {"steps": [{"time", "cpu", "tokens", ...}, ...]} with the first step (warm-up) included.
+
+`--part H/N` (sft, dpo; one process): every step computes only the share of its batch that
+data-parallel rank H of N would get (RL2's balanced partition of whole sequences, or pairs), with
+no other rank to talk to. N such processes side by side are what N ranks would cost without
+their collectives and without waiting for each other at every step.
 """
 import argparse
 import json
@@ -35,6 +40,29 @@ def clocks(record: dict, name: str):
     record[f"{name}_cpu"] = record.get(f"{name}_cpu", 0.0) + time.process_time() - cpu
 
 
+def part_of(lengths: list[int], part: tuple[int, int]) -> list[int]:
+    """Indices of the items data-parallel rank part[0] of part[1] gets: RL2's balanced partition
+    (`plan_micro_batches`, what a Worker's plan does with one micro-batch per rank)."""
+    from RL2.data.packing import plan_micro_batches
+
+    rank, n = part
+    return sorted(i for mb in plan_micro_batches(lengths, n, max(sum(lengths), 1))[rank] for i in mb)
+
+
+def _parts(batches: list[list], lengths: list[list[int]], part: tuple[int, int]) -> list[list]:
+    shares = [[b[i] for i in part_of(n, part)] for b, n in zip(batches, lengths)]
+    if not all(shares):
+        raise SystemExit(f"--part {part[0]}/{part[1]}: a batch has fewer items than {part[1]} ranks")
+    return shares
+
+
+def parse_part(text: str) -> tuple[int, int]:
+    rank, _, n = text.partition("/")
+    if not (rank.isdigit() and n.isdigit() and 0 <= int(rank) < int(n)):
+        raise argparse.ArgumentTypeError(f"--part {text!r}: expected H/N with 0 <= H < N")
+    return int(rank), int(n)
+
+
 def sft_dpo_steps(args, model: str):
     """(batches, step function) for sft / dpo on an Actor (+ reference)."""
     from benchmarks.vs_trl_data import dpo_pairs, load_rows, sft_steps
@@ -53,7 +81,10 @@ def sft_dpo_steps(args, model: str):
         def step(batch, record):
             sft_update(actor, batch)
             return sum(len(s["input_ids"]) for s in batch)
-        return sft_steps(load_rows(args.assets, "sft"), args.sft_max_length), step
+        steps = sft_steps(load_rows(args.assets, "sft"), args.sft_max_length)
+        if getattr(args, "part", None):
+            steps = _parts(steps, [[len(s["input_ids"]) for s in b] for b in steps], args.part)
+        return steps, step
     from transformers import AutoTokenizer
 
     ref = Actor(cfg.actor.copy(), "cpu", train=False)
@@ -63,7 +94,11 @@ def sft_dpo_steps(args, model: str):
         dpo_update(actor, batch, ref.compute_sequence_logps(*flatten_pairs(batch, ref.share_prompt)))  # live reference
         # the pairs' tokens in full (+ 1: TRL counts the last token), shared prompt or not
         return sum(len(s["input_ids"]) + 1 for s in flatten_pairs(batch)[0])
-    return [pairs[i:i + args.pairs] for i in range(0, len(pairs), args.pairs)], step
+    batches = [pairs[i:i + args.pairs] for i in range(0, len(pairs), args.pairs)]
+    if getattr(args, "part", None):
+        batches = _parts(batches, [[sum(len(p[s]["input_ids"]) for s in p) for p in b]
+                                   for b in batches], args.part)
+    return batches, step
 
 
 def grpo_steps(args, model: str):
@@ -118,6 +153,8 @@ def main(argv=None):
     p.add_argument("--sft-max-length", type=int, default=1024)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--override", nargs="*", default=[], help="extra RL2 config keys (key=value)")
+    p.add_argument("--part", type=parse_part, default=None, metavar="H/N",
+                   help="sft/dpo, one process: compute only rank H of N's share of every batch")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     import torch
@@ -127,6 +164,8 @@ def main(argv=None):
     from RL2.parallel.mesh import init_distributed
 
     init_distributed("cpu")
+    if args.part and (args.workload == "grpo" or dist.get_world_size() > 1):
+        raise SystemExit("--part: sft or dpo in one process")
     model = os.path.join(args.assets, "model")
     batches, step = (grpo_steps if args.workload == "grpo" else sft_dpo_steps)(args, model)
     if len(batches) < args.steps:

@@ -6,7 +6,9 @@ import sys
 
 import pytest
 
-from benchmarks.bench_vs_trl import FIGURES, combine_rounds, parse_args, ratio_table, rounds_table, summarize
+from benchmarks.bench_vs_trl import (ALONE, FIGURES, combine_rounds, merge_alone, parse_args, ratio_table,
+                                     rounds_table, summarize)
+from benchmarks.vs_trl_rl2 import parse_part, part_of
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -101,6 +103,26 @@ def test_run_interleaves_the_rounds(monkeypatch):
     assert "2.00, 4.00, 4.00 (median **4.00x**)" in text
 
 
+def test_alone_parts_split_each_batch_as_the_ranks_would_and_merge_by_the_slower():
+    """--part H/N: the shares of the N ranks cover the batch once, balanced by whole sequences
+    (the SFT step of the layouts docstring: 600 alone against 250 + 100 + 50 + 20); a merged
+    step takes the slower process's time and the tokens of both."""
+    lengths = [250, 600, 20, 100, 50]
+    shares = [part_of(lengths, (h, 2)) for h in (0, 1)]
+    assert sorted(shares[0] + shares[1]) == list(range(5))
+    assert sorted(sum(lengths[i] for i in s) for s in shares) == [420, 600]
+    three = [part_of(lengths, (h, 3)) for h in range(3)]
+    assert sorted(i for s in three for i in s) == list(range(5))
+    assert parse_part("1/2") == (1, 2)
+    for bad in ("2/2", "-1/2", "1", "a/b"):
+        with pytest.raises(Exception, match="H/N"):
+            parse_part(bad)
+    merged = merge_alone([_steps([3.0, 1.0], tokens=600), _steps([2.0, 1.5], tokens=420)])
+    assert [s["time"] for s in merged] == [3.0, 1.5]
+    assert [s["cpu"] for s in merged] == [1.5, 0.75]  # the slower process's own CPU time
+    assert all(s["tokens"] == 1020 for s in merged)
+
+
 @pytest.mark.slow
 def test_bench_vs_trl_quick_runs_end_to_end(tmp_path):
     """The real script (tiny model, 1 measured step, TRL skipped to keep it short): every
@@ -111,15 +133,17 @@ def test_bench_vs_trl_quick_runs_end_to_end(tmp_path):
                          timeout=1500)
     assert out.returncode == 0, out.stderr[-2000:]
     text = out.stdout
-    assert "| workload | TRL | RL2 1x1 | RL2 2x1 | RL2 2x1 ddp | RL2 2x1 sp | RL2 2x1 rg1 |" in text
+    assert ("| workload | TRL | RL2 1x1 | RL2 2x1 | RL2 2x1 ddp | RL2 2x1 sp | RL2 2x1 rg1 | "
+            f"{ALONE} |") in text
     assert "TRL skipped: --no-trl" in text
     for workload in ("sft", "dpo", "grpo"):
         for label, *_ in FIGURES[workload]:
             row = next(line for line in text.splitlines() if line.startswith(f"| {label} |"))
             cells = row.strip("| ").split(" | ")
-            ran = cells[2:] if workload == "grpo" else cells[2:-1]  # rg1: an engine per rank, GRPO only
+            # rg1 (an engine per rank): GRPO only; alone (no communication): SFT and DPO only
+            ran = cells[2:-1] if workload == "grpo" else cells[2:-2] + cells[-1:]
             assert cells[1] == "skipped" and all("% peak)" in c for c in ran), row
-            assert workload == "grpo" or cells[-1] == "skipped", row
+            assert cells[-1 if workload == "grpo" else -2] == "skipped", row
 
 
 def test_assets_from_a_checkpoint_link_it_and_fit_its_tokenizer(assets, tmp_path):

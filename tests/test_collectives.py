@@ -78,3 +78,28 @@ def test_plain_cpu_tensors_pickle_as_their_bytes():
            tagged]
     back = pickle.loads(_dumps(odd))  # each left to PyTorch's reduction, which keeps them
     assert torch.equal(back[0], -torch.ones(3)) and back[1].is_nested and back[2].note == "kept"
+
+
+def _metrics(rank, world):
+    from types import SimpleNamespace
+    from unittest import mock
+
+    from RL2.workers.worker import Worker
+
+    worker = Worker.__new__(Worker)
+    worker.dims = SimpleNamespace(tp=2)  # tp ranks hold copies: the sums are divided by tp
+    values = [0.1 * (rank + 1), -3.0 * rank, 1e-17 + rank]
+    one = [worker.all_reduce_metric(v) for v in values]
+    calls = []
+    real = dist.all_reduce
+    with mock.patch.object(dist, "all_reduce", lambda *a, **k: (calls.append(1), real(*a, **k))[1]):
+        batched = worker.all_reduce_metrics(v for v in values)  # any iterable (dict values)
+    return one, batched, len(calls)
+
+
+def test_metrics_reduce_in_one_collective_as_each_alone():
+    """Worker.all_reduce_metrics: the same float64 sums (/ tp) as one all-reduce per value, bit
+    for bit, from one collective."""
+    for one, batched, calls in run_dist(_metrics, 2):
+        assert batched == one and calls == 1
+        assert one == [(0.1 + 0.2) / 2, -1.5, (1e-17 + 1e-17 + 1) / 2]

@@ -69,6 +69,7 @@ def _device_audit(rank, world):
     gather = WeightSync(owner, "gather")  # the CPU shards are packed on the group's device
     cases = {
         "all_reduce_metric": lambda: worker.all_reduce_metric(1.0),
+        "all_reduce_metrics": lambda: worker.all_reduce_metrics([1.0, 2.0]),
         "grad_norm": lambda: collectives.grad_norm_and_clip([param], 1.0),
         "weight_sync_mode": lambda: sync._choose_mode(None),
         "weight_sync_gather": lambda: list(gather.stream()),
@@ -91,7 +92,7 @@ def _device_audit(rank, world):
 
 def test_collectives_use_the_group_device():
     results = run_dist(_device_audit, 2)[0]
-    assert results == {"all_reduce_metric": "ok", "grad_norm": "ok", "weight_sync_mode": "ok",
+    assert results == {"all_reduce_metric": "ok", "all_reduce_metrics": "ok", "grad_norm": "ok", "weight_sync_mode": "ok",
                        "weight_sync_gather": "ok", "strict_on_policy_ratio": "ok"}
 
 

@@ -60,7 +60,7 @@ def dpo_update(actor, pairs: list[dict], ref_logps: torch.Tensor) -> dict:
         if actor.dims.sp_rank == 0:  # pair metrics: one copy per data-parallel rank
             sums[:-1] += metric_sums(loss, rew_c, rew_r, seq[chosen], seq[rejected])
     grad_norm = actor.step()
-    totals = [actor.all_reduce_metric(v) for v in sums.tolist()]
+    totals = actor.all_reduce_metrics(sums.tolist())
     metrics = {k: v / len(pairs) for k, v in zip(METRICS[:-1], totals[:-1])}
     if cfg.sft_coef:  # loss = dpo_loss + sft_coef * sft_loss
         metrics.update(dpo_loss=metrics["loss"], sft_loss=totals[-1])

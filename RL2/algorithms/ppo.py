@@ -171,7 +171,7 @@ def actor_update(actor, samples: list[dict], cfg, kl_cfg, seed: int, step: int =
             check_first_ratio(actor, first_gap, step)
         grad_norms.append(actor.step())
     # Each sum is a mean over one mini-batch; average over mini-batches.
-    metrics = {k: actor.all_reduce_metric(v) / len(batches) for k, v in sums.items()}
+    metrics = {k: v / len(batches) for k, v in zip(sums, actor.all_reduce_metrics(sums.values()))}
     metrics.update(grad_norm=sum(grad_norms) / len(grad_norms), lr=actor.lr)
     if not use_kl_loss:
         metrics.pop("kl_loss")
@@ -194,6 +194,6 @@ def critic_update(critic, samples: list[dict], cfg, seed: int) -> dict:
             sums["value_loss"] += total.item()
             sums["value_clip_ratio"] += (clipped * d["loss_weight"].double()).sum().item()
         grad_norms.append(critic.step())
-    metrics = {k: critic.all_reduce_metric(v) / len(batches) for k, v in sums.items()}
+    metrics = {k: v / len(batches) for k, v in zip(sums, critic.all_reduce_metrics(sums.values()))}
     metrics.update(grad_norm=sum(grad_norms) / len(grad_norms), lr=critic.lr)
     return metrics

@@ -31,7 +31,7 @@ def rm_update(model, pairs: list[dict]) -> dict:
         if model.dims.sp_rank == 0:  # metrics: one copy per data-parallel rank
             sums += metric_sums(loss, correct, rewards[chosen], rewards[rejected])
     grad_norm = model.step()
-    metrics = {k: model.all_reduce_metric(v) / len(pairs) for k, v in zip(METRICS, sums.tolist())}
+    metrics = {k: v / len(pairs) for k, v in zip(METRICS, model.all_reduce_metrics(sums.tolist()))}
     # the pairs' tokens as if unshared: the work done, comparable with share_prompt off
     return dict(metrics, grad_norm=grad_norm, lr=model.lr,
                 **token_metrics(flatten_pairs(pairs)[0], "eos_mask"))

@@ -112,7 +112,7 @@ def kto_update(actor, samples: list[dict], desirable: torch.Tensor, ref_logps: t
         if actor.dims.sp_rank == 0:  # metrics: one copy per data-parallel rank
             sums += metric_sums(loss, rewards, seq, d)
     grad_norm = actor.step()
-    totals = [actor.all_reduce_metric(v) for v in sums.tolist()]
+    totals = actor.all_reduce_metrics(sums.tolist())
     return dict(metric_means(totals, desirable, z0), grad_norm=grad_norm, lr=actor.lr,
                 **token_metrics(samples))
 

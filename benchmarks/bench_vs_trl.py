@@ -16,7 +16,8 @@ TRL runs in one process with 2 threads; RL2 as 1 process x 2 threads and 2 proce
 (torchrun). On a loaded machine two OpenMP threads in one process can run far slower than one
 (they wait for each other at every op): `--threads 1` compares TRL and RL2 1x1 (plus RL2 2x1).
 "RL2 2x1 alone" (SFT, DPO): two one-thread processes that never communicate, each computing one
-rank's share of every batch: the bound 2 x 1 would reach if its collectives cost nothing.
+rank's share of every batch: about what 2 x 1 would reach if its collectives cost nothing (each
+also steps the optimizer over the whole model, where a 2 x 1 rank steps half).
 Each figure is the median over `--repeats` steps after one warm-up step, wall clock; with
 `--rounds R` every library runs R times, interleaved, and each figure and speed-up is the median
 over the rounds (either library's speed moved 5-10% between processes on one shared machine).
@@ -56,8 +57,9 @@ def layouts(threads: int) -> list[tuple[str, int, int, list[str], tuple]]:
 
 
 # Two one-thread processes that never talk, each computing one data-parallel rank's share of every
-# SFT / DPO batch (vs_trl_rl2.py --part): what 2 x 1 would cost without FSDP's collectives and
-# without the ranks waiting for each other at every step; a step counts as the slower process's.
+# SFT / DPO batch (vs_trl_rl2.py --part): what 2 x 1 costs without FSDP's collectives and without
+# the ranks waiting for each other at every step (but each steps the optimizer over the whole
+# model, a 2 x 1 rank over half); a step counts as the slower process's.
 ALONE = "RL2 2x1 alone"
 ALONE_WORKLOADS = ("sft", "dpo")
 
@@ -113,41 +115,50 @@ def run_rl2(workload: str, root: str, nproc: int, threads: int, args, keys: list
 
 
 def run_rl2_alone(workload: str, root: str, args) -> list[dict]:
-    """Both shares at once, each in a 1-process torchrun; step i: the slower process's time
-    (and its CPU time), the tokens of both."""
-    outs = [os.path.join(root, f"rl2_{workload}_alone_{h}.json") for h in (0, 1)]
+    """Both shares at once, each in a 1-process torchrun (`merge_alone` combines their steps).
+    Both are waited for within one `args.timeout`, and killed if still running when it ends or
+    anything fails."""
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
                WANDB_MODE="offline", PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    procs = [subprocess.Popen(
-        _torchrun(1, root) + [os.path.join(HERE, "vs_trl_rl2.py"), "--workload", workload,
-                              "--assets", root, "--steps", str(args.repeats + 1), "--threads", "1",
-                              "--dtype", args.dtype, "--part", f"{h}/2", "--out", out,
-                              "--override", *args.rl2_override],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env, cwd=root)
-        for h, out in enumerate(outs)]
-    errors = []
-    for proc in procs:  # both are waited for (and killed on a timeout), whatever the other did
-        try:
-            _, err = proc.communicate(timeout=args.timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            _, err = proc.communicate()
-            err = f"timed out after {args.timeout} s\n{err}"
-        if proc.returncode != 0:
-            errors.append(err[-2000:])
+    outs = [os.path.join(root, f"rl2_{workload}_alone_{h}.json") for h in (0, 1)]
+    logs = [os.path.join(root, f"rl2_{workload}_alone_{h}.log") for h in (0, 1)]
+    deadline = time.monotonic() + args.timeout
+    procs, errors = [], []
+    try:
+        for h, (out, log) in enumerate(zip(outs, logs)):
+            with open(log, "w") as f:  # a file, not a pipe: a full pipe would stall the process
+                procs.append(subprocess.Popen(
+                    _torchrun(1, root) + [os.path.join(HERE, "vs_trl_rl2.py"), "--workload", workload,
+                                          "--assets", root, "--steps", str(args.repeats + 1),
+                                          "--threads", "1", "--dtype", args.dtype, "--part", f"{h}/2",
+                                          "--out", out, "--override", *args.rl2_override],
+                    stdout=subprocess.DEVNULL, stderr=f, env=env, cwd=root))
+        for h, proc in enumerate(procs):
+            try:
+                proc.wait(timeout=max(deadline - time.monotonic(), 0))
+            except subprocess.TimeoutExpired:
+                errors.append(f"part {h}/2: timed out after {args.timeout} s")
+                continue
+            if proc.returncode != 0:
+                with open(logs[h]) as f:
+                    errors.append(f"part {h}/2 failed:\n{f.read()[-2000:]}")
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
     if errors:
-        raise RuntimeError("vs_trl_rl2.py --part ... failed:\n" + "\n".join(errors))
+        raise RuntimeError("vs_trl_rl2.py --part: " + "\n".join(errors))
     return merge_alone([_load(out) for out in outs])
 
 
 def merge_alone(runs: list[list[dict]]) -> list[dict]:
-    """Step by step: the slowest process's wall and CPU time, the tokens of all."""
-    steps = []
-    for parts in zip(*runs):
-        slow = max(parts, key=lambda s: s["time"])
-        steps.append({"time": slow["time"], "cpu": slow["cpu"],
-                      "tokens": sum(s["tokens"] for s in parts)})
-    return steps
+    """Step by step: the slowest process's wall time, the largest CPU time (each process's own
+    cost on a core of its own; the two need not be the same process on a loaded machine), the
+    tokens of all. The processes do not wait for each other, so the one that finishes first
+    leaves the other a quieter machine for its last steps: slightly in the column's favour."""
+    return [{"time": max(s["time"] for s in parts), "cpu": max(s["cpu"] for s in parts),
+             "tokens": sum(s["tokens"] for s in parts)} for parts in zip(*runs)]
 
 
 def summarize(workload: str, steps: list[dict], n_params: int, clock: str = "wall") -> dict:

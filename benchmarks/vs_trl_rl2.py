@@ -13,9 +13,10 @@ the step costs without the other tenants of a loaded machine). Rank 0 writes
 {"steps": [{"time", "cpu", "tokens", ...}, ...]} with the first step (warm-up) included.
 
 `--part H/N` (sft, dpo; one process): every step computes only the share of its batch that
-data-parallel rank H of N would get (RL2's balanced partition of whole sequences, or pairs), with
-no other rank to talk to. N such processes side by side are what N ranks would cost without
-their collectives and without waiting for each other at every step.
+data-parallel rank H of N would get (the Worker's plan), with no other rank to talk to. N such
+processes side by side are what N ranks cost without their collectives and without waiting for
+each other at every step; but each steps the optimizer over the whole model, where a rank of N
+steps its 1/N shard.
 """
 import argparse
 import json
@@ -40,20 +41,32 @@ def clocks(record: dict, name: str):
     record[f"{name}_cpu"] = record.get(f"{name}_cpu", 0.0) + time.process_time() - cpu
 
 
-def part_of(lengths: list[int], part: tuple[int, int]) -> list[int]:
-    """Indices of the items data-parallel rank part[0] of part[1] gets: RL2's balanced partition
-    (`plan_micro_batches`, what a Worker's plan does with one micro-batch per rank)."""
+def part_of(lengths: list[int], part: tuple[int, int], capacity: int,
+            groups: list[list[int]] | None = None) -> list[int]:
+    """Indices of the samples data-parallel rank part[0] of part[1] gets: the plan a Worker makes
+    (`plan_micro_batches` with its capacity and groups), all of that rank's micro-batches."""
     from RL2.data.packing import plan_micro_batches
 
     rank, n = part
-    return sorted(i for mb in plan_micro_batches(lengths, n, max(sum(lengths), 1))[rank] for i in mb)
+    return sorted(i for mb in plan_micro_batches(lengths, n, capacity, groups=groups)[rank] for i in mb)
 
 
-def _parts(batches: list[list], lengths: list[list[int]], part: tuple[int, int]) -> list[list]:
-    shares = [[b[i] for i in part_of(n, part)] for b, n in zip(batches, lengths)]
-    if not all(shares):
+def _parts(batches: list[list], shares: list[list[int]], part: tuple[int, int]) -> list[list]:
+    """Each batch cut to the items (indices into it) of its share."""
+    out = [[b[i] for i in share] for b, share in zip(batches, shares)]
+    if not all(out):
         raise SystemExit(f"--part {part[0]}/{part[1]}: a batch has fewer items than {part[1]} ranks")
-    return shares
+    return out
+
+
+def pair_part(pairs: list[dict], part: tuple[int, int], capacity: int, share_prompt: bool) -> list[int]:
+    """The pairs (indices) of rank part[0]'s share, planned as dpo_update plans them: the
+    samples of `flatten_pairs` (a rejected side as its tail past a shared prompt) kept by pair."""
+    from RL2.data.pairs import flatten_pairs
+
+    samples, groups = flatten_pairs(pairs, share_prompt)
+    lengths = [len(s["input_ids"]) for s in samples]
+    return sorted({i // 2 for i in part_of(lengths, part, capacity, groups)})
 
 
 def parse_part(text: str) -> tuple[int, int]:
@@ -82,8 +95,9 @@ def sft_dpo_steps(args, model: str):
             sft_update(actor, batch)
             return sum(len(s["input_ids"]) for s in batch)
         steps = sft_steps(load_rows(args.assets, "sft"), args.sft_max_length)
-        if getattr(args, "part", None):
-            steps = _parts(steps, [[len(s["input_ids"]) for s in b] for b in steps], args.part)
+        if getattr(args, "part", None):  # (a prefix shared by whole rows: none in these rows)
+            steps = _parts(steps, [part_of([len(s["input_ids"]) for s in b], args.part, actor.capacity)
+                                   for b in steps], args.part)
         return steps, step
     from transformers import AutoTokenizer
 
@@ -96,7 +110,7 @@ def sft_dpo_steps(args, model: str):
         return sum(len(s["input_ids"]) + 1 for s in flatten_pairs(batch)[0])
     batches = [pairs[i:i + args.pairs] for i in range(0, len(pairs), args.pairs)]
     if getattr(args, "part", None):
-        batches = _parts(batches, [[sum(len(p[s]["input_ids"]) for s in p) for p in b]
+        batches = _parts(batches, [pair_part(b, args.part, actor.capacity, actor.share_prompt)
                                    for b in batches], args.part)
     return batches, step
 

@@ -3,12 +3,13 @@ smoke run of the real script in its tiny mode."""
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 
 from benchmarks.bench_vs_trl import (ALONE, FIGURES, combine_rounds, merge_alone, parse_args, ratio_table,
                                      rounds_table, summarize)
-from benchmarks.vs_trl_rl2 import parse_part, part_of
+from benchmarks.vs_trl_rl2 import pair_part, parse_part, part_of
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -103,24 +104,83 @@ def test_run_interleaves_the_rounds(monkeypatch):
     assert "2.00, 4.00, 4.00 (median **4.00x**)" in text
 
 
-def test_alone_parts_split_each_batch_as_the_ranks_would_and_merge_by_the_slower():
-    """--part H/N: the shares of the N ranks cover the batch once, balanced by whole sequences
-    (the SFT step of the layouts docstring: 600 alone against 250 + 100 + 50 + 20); a merged
-    step takes the slower process's time and the tokens of both."""
+def _side(prompt: int, response: int, token: int) -> dict:
+    import torch
+
+    ids = torch.cat([torch.zeros(prompt, dtype=torch.long), torch.full((response,), token)])
+    return {"input_ids": ids, "labels": ids.clone(),
+            "action_mask": torch.cat([torch.zeros(prompt), torch.ones(response)])}
+
+
+def test_alone_parts_split_each_batch_as_the_ranks_would():
+    """--part H/N: the N shares cover the batch once, as the Worker plans it. SFT: whole
+    sequences balanced (the layouts docstring's step: 600 alone against 250 + 100 + 50 + 20).
+    DPO: pairs weighed as dpo_update packs them, a rejected side with a shared prompt only as
+    its tail: pair A (a 100-token prompt, 10-token answers) weighs 120 shared, 220 not; B 120
+    (nothing shared); C 200 (nothing shared)."""
     lengths = [250, 600, 20, 100, 50]
-    shares = [part_of(lengths, (h, 2)) for h in (0, 1)]
+    shares = [part_of(lengths, (h, 2), 4096) for h in (0, 1)]
     assert sorted(shares[0] + shares[1]) == list(range(5))
     assert sorted(sum(lengths[i] for i in s) for s in shares) == [420, 600]
-    three = [part_of(lengths, (h, 3)) for h in range(3)]
+    three = [part_of(lengths, (h, 3), 4096) for h in range(3)]
     assert sorted(i for s in three for i in s) == list(range(5))
+    pairs = [{"chosen": _side(100, 10, 1), "rejected": _side(100, 10, 2)},
+             {"chosen": _side(0, 60, 1), "rejected": _side(0, 60, 2)},
+             {"chosen": _side(0, 100, 1), "rejected": _side(0, 100, 2)}]
+    shared = sorted(pair_part(pairs, (h, 2), 4096, True) for h in (0, 1))
+    assert shared == [[0, 1], [2]]  # 240 | 200
+    whole = sorted(pair_part(pairs, (h, 2), 4096, False) for h in (0, 1))
+    assert whole == [[0], [1, 2]]  # 220 | 320
+    # a small capacity: a rank's share is all its micro-batches
+    assert sorted(pair_part(pairs, (h, 2), 230, True) for h in (0, 1)) == [[0, 1], [2]]
     assert parse_part("1/2") == (1, 2)
     for bad in ("2/2", "-1/2", "1", "a/b"):
         with pytest.raises(Exception, match="H/N"):
             parse_part(bad)
-    merged = merge_alone([_steps([3.0, 1.0], tokens=600), _steps([2.0, 1.5], tokens=420)])
+
+
+def test_alone_steps_merge_as_the_slower_process():
+    """A merged step: the slower wall time, the larger CPU time (not necessarily the same
+    process's), the tokens of both."""
+    a = [{"time": 3.0, "cpu": 1.0, "tokens": 600}, {"time": 1.0, "cpu": 0.9, "tokens": 600}]
+    b = [{"time": 2.0, "cpu": 1.8, "tokens": 420}, {"time": 1.5, "cpu": 0.5, "tokens": 420}]
+    merged = merge_alone([a, b])
     assert [s["time"] for s in merged] == [3.0, 1.5]
-    assert [s["cpu"] for s in merged] == [1.5, 0.75]  # the slower process's own CPU time
+    assert [s["cpu"] for s in merged] == [1.8, 0.9]
     assert all(s["tokens"] == 1020 for s in merged)
+
+
+def test_alone_run_reports_a_failing_part_and_stops_the_other(monkeypatch, tmp_path):
+    """run_rl2_alone: a part that fails is named with its log; a part still running when the
+    timeout ends is killed, not left behind."""
+    import time
+
+    import benchmarks.bench_vs_trl as bench
+
+    def fake(script):
+        def torchrun(nproc, root):
+            return [sys.executable, "-c", script, "--"]  # the real arguments follow, ignored
+        return torchrun
+    args = SimpleNamespace(repeats=1, dtype="float32", rl2_override=[], timeout=60.0)
+    monkeypatch.setattr(bench, "_torchrun", fake(
+        "import sys; a = sys.argv; h = a[a.index('--part') + 1]\n"
+        "if h == '1/2': sys.exit('part one broke')\n"
+        "import time; time.sleep(0.5)\n"
+        "open(a[a.index('--out') + 1], 'w').write('{\"steps\": []}')"))
+    with pytest.raises(RuntimeError, match="part 1/2 failed:(.|\n)*part one broke"):
+        bench.run_rl2_alone("dpo", str(tmp_path), args)
+    monkeypatch.setattr(bench, "_torchrun", fake(
+        "import os, sys, time; open(sys.argv[sys.argv.index('--out') + 1] + '.pid', 'w')"
+        ".write(str(os.getpid())); time.sleep(600)"))
+    args.timeout = 3.0
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="part 0/2: timed out(.|\n)*part 1/2: timed out"):
+        bench.run_rl2_alone("sft", str(tmp_path), args)
+    assert time.monotonic() - start < 30  # one deadline for both parts
+    for h in (0, 1):
+        pid = int((tmp_path / f"rl2_sft_alone_{h}.json.pid").read_text())
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)  # gone (killed and reaped)
 
 
 @pytest.mark.slow

@@ -95,7 +95,8 @@ def sft_dpo_steps(args, model: str):
             sft_update(actor, batch)
             return sum(len(s["input_ids"]) for s in batch)
         steps = sft_steps(load_rows(args.assets, "sft"), args.sft_max_length)
-        if getattr(args, "part", None):  # (a prefix shared by whole rows: none in these rows)
+        # the Worker's layout (`share_prefixes`) leaves these rows as they are: none shares a prefix
+        if getattr(args, "part", None):
             steps = _parts(steps, [part_of([len(s["input_ids"]) for s in b], args.part, actor.capacity)
                                    for b in steps], args.part)
         return steps, step

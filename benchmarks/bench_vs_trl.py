@@ -72,10 +72,16 @@ def trl_available() -> bool:
     return True
 
 
+def _env(threads: int) -> dict:
+    """The environment of a benchmark process: its thread count, no tokenizer threads, wandb
+    offline, this checkout importable."""
+    return dict(os.environ, OMP_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false",
+                WANDB_MODE="offline", PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+
+
 def _run(cmd, threads: int, timeout: float, cwd: str):
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false",
-               WANDB_MODE="offline", PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=cwd, timeout=timeout)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(threads), cwd=cwd,
+                          timeout=timeout)
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd[:6])} ... failed:\n{proc.stderr[-2000:]}")
 
@@ -118,8 +124,6 @@ def run_rl2_alone(workload: str, root: str, args) -> list[dict]:
     """Both shares at once, each in a 1-process torchrun (`merge_alone` combines their steps).
     Both are waited for within one `args.timeout`, and killed if still running when it ends or
     anything fails."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
-               WANDB_MODE="offline", PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
     outs = [os.path.join(root, f"rl2_{workload}_alone_{h}.json") for h in (0, 1)]
     logs = [os.path.join(root, f"rl2_{workload}_alone_{h}.log") for h in (0, 1)]
     deadline = time.monotonic() + args.timeout
@@ -132,7 +136,7 @@ def run_rl2_alone(workload: str, root: str, args) -> list[dict]:
                                           "--assets", root, "--steps", str(args.repeats + 1),
                                           "--threads", "1", "--dtype", args.dtype, "--part", f"{h}/2",
                                           "--out", out, "--override", *args.rl2_override],
-                    stdout=subprocess.DEVNULL, stderr=f, env=env, cwd=root))
+                    stdout=subprocess.DEVNULL, stderr=f, env=_env(1), cwd=root))
         for h, proc in enumerate(procs):
             try:
                 proc.wait(timeout=max(deadline - time.monotonic(), 0))

@@ -92,8 +92,9 @@ def _device_audit(rank, world):
 
 def test_collectives_use_the_group_device():
     results = run_dist(_device_audit, 2)[0]
-    assert results == {"all_reduce_metric": "ok", "all_reduce_metrics": "ok", "grad_norm": "ok", "weight_sync_mode": "ok",
-                       "weight_sync_gather": "ok", "strict_on_policy_ratio": "ok"}
+    assert results == {"all_reduce_metric": "ok", "all_reduce_metrics": "ok", "grad_norm": "ok",
+                       "weight_sync_mode": "ok", "weight_sync_gather": "ok",
+                       "strict_on_policy_ratio": "ok"}
 
 
 def test_check_device_names_the_mismatch(monkeypatch):

@@ -79,7 +79,8 @@ def test_rounds_pair_each_rl2_run_with_the_trl_run_of_its_round():
 
 def test_run_interleaves_the_rounds(monkeypatch):
     """run() with `--rounds 3` and stand-in runs (no processes, no timings): TRL and every RL2
-    layout run once per round, round after round, and the tables show the per-round ratios."""
+    layout (the "alone" pair included) run once per round, round after round, and the tables
+    show the per-round ratios."""
     import benchmarks.bench_vs_trl as B
 
     calls = []
@@ -93,11 +94,12 @@ def test_run_interleaves_the_rounds(monkeypatch):
     monkeypatch.setattr(B, "trl_available", lambda: True)
     monkeypatch.setattr(B, "run_trl", fake("trl"))
     monkeypatch.setattr(B, "run_rl2", fake("rl2"))
+    monkeypatch.setattr(B, "run_rl2_alone", fake("alone"))
     monkeypatch.setattr(B, "matmul_peak", lambda *a, **kw: 1e9)
     text = B.run(B.parse_args(["--quick", "--rounds", "3", "--only", "sft", "--threads", "2"]))
     n = len(B.layouts(2)) - 1  # rg1 is GRPO only
-    assert calls == [("trl", "sft")] + [("rl2", "sft")] * n + [("trl", "sft")] + [("rl2", "sft")] * n \
-        + [("trl", "sft")] + [("rl2", "sft")] * n
+    one_round = [("trl", "sft")] + [("rl2", "sft")] * n + [("alone", "sft")]
+    assert calls == one_round * 3
     assert "then of 3 rounds" in text
     # RL2 0.5, 0.5, 1 s against TRL 1, 2, 4 s: speed-ups 2, 4, 4 in that order (rounds paired
     # in reverse would read 8, 4, 1)

@@ -1,5 +1,6 @@
 """What every trainer shares: process group, seeds, run directory, tokenizer, data, metrics,
 checkpoint save/resume."""
+import atexit
 import gc
 import logging
 import os
@@ -269,11 +270,12 @@ class Trainer:
         trainer = cls(load_config(config_name))
         trainer.fit()
         trainer.close()
-        # Everything is saved, closed and flushed. The interpreter's last garbage collections
-        # would walk every object of torch, transformers and the run: ~1 s of each worker's
-        # exit, a sixth of a small run (benchmarks/README.md, "Test-suite time"). Frozen
-        # objects are left to the OS; atexit handlers still run.
-        gc.freeze()
+        # Everything is saved, closed and flushed. At exit the interpreter's last garbage
+        # collections would walk every object of torch, transformers and the run: ~1 s of each
+        # worker's exit, a seventh of a small run (benchmarks/README.md, "Test-suite timings").
+        # Frozen first, those objects are left to the OS. At exit only: a process that goes on
+        # (a notebook, a sweep) keeps collecting.
+        atexit.register(gc.freeze)
 
     def close(self):
         if dist.is_initialized():

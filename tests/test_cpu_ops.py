@@ -173,6 +173,19 @@ def _sdpa(q, k, v, bounds, scale, kbounds=None):
     return torch.cat(outs, 2).transpose(1, 2)
 
 
+def assert_as_close_as_sdpa32(kernel, sdpa32, exact):
+    """Within fp32 rounding: the kernel's result is no further from the float64 one than fp32
+    SDPA's, over the whole tensor (relative L2: 1.25x; 0.2-1.11x seen over seeds) and at its worst
+    element (2.5x SDPA's largest error). One element's error is a noisy draw: its ratio to SDPA's
+    moved between 0.6x and 1.72x over seeds, and this file's seed for head_dim 128 gave 1.72x on
+    an Intel Xeon (AVX-512, AMX) after passing 1.5x on AMD EPYC. A scale off by 1e-5 already
+    fails every gathered-keys case; a wrong mask or merge is off by far more."""
+    err, ref = (kernel - exact).norm(), (sdpa32 - exact).norm()
+    assert err <= 1.25 * ref + 1e-6 * exact.norm(), (err, ref)
+    err, ref = (kernel - exact).abs().max(), (sdpa32 - exact).abs().max()
+    assert err <= 2.5 * ref + 1e-6, (err, ref)
+
+
 @needs_kernel
 @pytest.mark.parametrize("heads,kv_heads,d,lengths", [
     (8, 4, 64, [600, 250, 100, 50, 20]),  # the benchmark's SFT step (bench_vs_trl)
@@ -202,7 +215,7 @@ def test_attention_and_its_gradients_match_sdpa(heads, kv_heads, d, lengths):
         if dtype is None:
             assert out.shape == (1, t, heads, d) and out.is_contiguous()
     for exact, sdpa32, kernel in zip(*results):
-        assert (kernel - exact).abs().max() <= 1.5 * (sdpa32 - exact).abs().max() + 1e-6
+        assert_as_close_as_sdpa32(kernel, sdpa32, exact)
 
 
 @needs_kernel
@@ -232,7 +245,7 @@ def test_attention_over_gathered_keys_matches_sdpa(heads, kv_heads, d, pairs):
         out.backward(grad.to(out.dtype))
         results.append([out.double()] + [x.grad.double() for x in leaves])
     for exact, sdpa32, kernel in zip(*results):
-        assert (kernel - exact).abs().max() <= 1.5 * (sdpa32 - exact).abs().max() + 1e-6
+        assert_as_close_as_sdpa32(kernel, sdpa32, exact)
     with pytest.raises(ValueError, match="no fewer keys"):  # a sequence with fewer keys than queries
         cpu_ops.causal_attention(q, k, v, bounds, scale, [0] + kbounds[2:] + [kbounds[-1]])
     with pytest.raises(ValueError, match="none without queries"):  # keys but no queries: the

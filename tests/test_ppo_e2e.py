@@ -269,16 +269,22 @@ def test_reward_model_trained_by_rl2_is_the_reward_and_rises(warm_start, tmp_pat
                           "actor.lr=3e-3", "trainer.n_epochs=2", "trainer.test_freq=64"], tmp_path / "rm")
     acc = train_rows(tmp_path / "rm", "test/accuracy")
     assert acc[-1] > 0.8, acc
-    # 2. PPO whose only reward is that model's score
+    # 2. PPO whose only reward is that model's score, on one batch of 16 prompts, so that every
+    # step scores the same prompts. The RM's score moves by ~1 between prompts: over fresh
+    # prompts each step the mean reward jumped 1.4-3.5 with the draw and hid the trend (an Intel
+    # Xeon run rose 2.65 -> 2.78 by medians of 5 steps where AMD ones passed); on one batch it
+    # rose 1.88 -> 2.84 almost step by step.
     (tmp_path / "env.py").write_text(SCORE_ONLY_ENV)
+    prompts = open(warm_start["data"] / "ppo_train.jsonl").readlines()[:16]
+    (tmp_path / "prompts.jsonl").write_text("".join(prompts))
     run_trainer("ppo", 2, [f"actor.model_name={warm_start['model']}",
-                           f"data.train.path={warm_start['data'] / 'ppo_train.jsonl'}",
+                           f"data.train.path={tmp_path / 'prompts.jsonl'}",
                            f"actor.rollout.env_path={tmp_path / 'env.py'}", *RL_ARGS,
                            f"actor.rollout.reward_model={tmp_path / 'rm' / 'run' / 'final'}"], tmp_path / "ppo")
     rows = [r for r in read_metrics(tmp_path / "ppo") if "rollout/reward" in r]
     assert all(r["rollout/reward/env"] == 0 for r in rows)
     assert all(math.isclose(r["rollout/reward"], r["rollout/reward/reward_model"], rel_tol=1e-6) for r in rows)
-    assert_rises([r["rollout/reward"] for r in rows])  # PPO maximises the reward model's score
+    assert_rises([r["rollout/reward"] for r in rows], by=0.3)  # PPO maximises the RM's score
     # Not asserted: the true answer-match score. This 2-layer RM (held-out pair accuracy > 0.8)
     # does not really know arithmetic, and the policy learns to please it without answering
     # better (reward hacking, as with any RM scored far from its training pairs).

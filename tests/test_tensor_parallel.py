@@ -1,5 +1,6 @@
 """Tensor parallel (DTensor) == single process: logits, log-probs, entropy, gradients, FSDP2 x TP."""
 import copy
+import math
 
 import pytest
 import torch
@@ -241,6 +242,22 @@ def test_grad_norm_and_clip_plain_matches_torch():
     for p, q in zip(a, b):
         torch.testing.assert_close(p.grad, q.grad)
     assert abs(grad_norm_and_clip(a, None) - 1.0) < 1e-5  # no clip: just the (clipped) norm
+
+
+def test_grad_norm_of_strided_low_precision_and_empty_grads():
+    """The squared norms come from a dot product of the flattened gradient: a transposed
+    (non-contiguous) gradient, a bf16 one (summed in fp32) and an empty one count as torch
+    counts them."""
+    torch.manual_seed(0)
+    grads = [torch.randn(5, 7).t(), torch.randn(6, 3).to(torch.bfloat16), torch.randn(0, 4),
+             torch.randn(64, dtype=torch.float64)]
+    params = []
+    for g in grads:
+        p = torch.nn.Parameter(torch.zeros(g.shape, dtype=g.dtype))
+        p.grad = g
+        params.append(p)
+    want = math.sqrt(sum(float(g.double().pow(2).sum()) for g in grads))
+    assert abs(grad_norm_and_clip(params, None) - want) <= 1e-6 * want
 
 
 def test_cpu_chunks_stay_under_the_mmap_threshold():

@@ -162,7 +162,10 @@ def grad_norm_and_clip(params, max_norm: float | None) -> float:
             groups = tuple(mesh.get_group(d) for d, pl in enumerate(g.placements)
                            if not pl.is_replicate() and mesh.size(d) > 1)
             g = g.to_local()
-        sq = g.to(torch.promote_types(g.dtype, torch.float32)).pow(2).sum().to(torch.float64)
+        # a dot product reads the gradient once; pow(2).sum() wrote a squared copy first (25.7M
+        # fp32 gradients: 7.1 -> 2.6 ms with 2 threads, 46 -> 7.7 ms with 1; benchmarks/README fix 50)
+        flat = g.reshape(-1).to(torch.promote_types(g.dtype, torch.float32))
+        sq = torch.dot(flat, flat).to(torch.float64)
         # Insertion order is the parameter order, the same on every rank: collectives line up.
         buckets[groups] = buckets.get(groups, 0) + sq
     total = 0.0

@@ -595,6 +595,65 @@ void rl2_glu_bwd(const float* g, const float* u, const float* dh, int64_t n, flo
  * in k and v (`bounds` itself, or gathered keys of a shared prompt, TK rows): a sequence of L
  * queries and M >= L keys aligns its causal mask to the bottom right, so query row i sees keys
  * 0..M-L+i (flash-attention's rule for fewer queries than keys). */
+/* 16 x 16 block: dst[c * ldd + r] = src[r * lds + c] for r < R, c < C (R, C <= 16) */
+static inline void transpose16(const float* src, int64_t lds, float* dst, int64_t ldd, int R, int C) {
+  if (R < 16 || C < 16) {
+    for (int c = 0; c < C; c++)
+      for (int r = 0; r < R; r++) dst[c * ldd + r] = src[r * lds + c];
+    return;
+  }
+  __m512 a[16], b[16];
+  for (int r = 0; r < 16; r++) a[r] = _mm512_loadu_ps(src + r * lds);
+  /* 32-bit, then 64-bit interleaves of row pairs, then two exchanges of 128-bit lanes */
+  for (int r = 0; r < 16; r += 2) {
+    b[r] = _mm512_unpacklo_ps(a[r], a[r + 1]);
+    b[r + 1] = _mm512_unpackhi_ps(a[r], a[r + 1]);
+  }
+  for (int r = 0; r < 16; r += 4) {
+    __m512d p0 = _mm512_castps_pd(b[r]), p1 = _mm512_castps_pd(b[r + 1]);
+    __m512d p2 = _mm512_castps_pd(b[r + 2]), p3 = _mm512_castps_pd(b[r + 3]);
+    a[r] = _mm512_castpd_ps(_mm512_unpacklo_pd(p0, p2));
+    a[r + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(p0, p2));
+    a[r + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(p1, p3));
+    a[r + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(p1, p3));
+  }
+  /* now a[4q + j], 128-bit lane l: column 4l + j of rows 4q..4q+3; two lane exchanges remain */
+  for (int h = 0; h < 16; h += 8)
+    for (int j = 0; j < 4; j++) {
+      b[h + j] = _mm512_shuffle_f32x4(a[h + j], a[h + 4 + j], 0x88);
+      b[h + 4 + j] = _mm512_shuffle_f32x4(a[h + j], a[h + 4 + j], 0xdd);
+    }
+  for (int j = 0; j < 8; j++) {
+    a[j] = _mm512_shuffle_f32x4(b[j], b[8 + j], 0x88);
+    a[8 + j] = _mm512_shuffle_f32x4(b[j], b[8 + j], 0xdd);
+  }
+  for (int c = 0; c < 16; c++) _mm512_storeu_ps(dst + c * ldd, a[c]);
+}
+
+/* Lane r of the result: OP over the 16 lanes of v[r], r < 16, by a transposing tree: 15 OPs and
+ * 30 shuffles for 16 rows, where a horizontal reduction per row is ~8 dependent steps each */
+#define HREDUCE16(NAME, OP)                                                                      \
+  static inline __m512 NAME(const __m512* v) {                                                   \
+    __m512 w[8], u[4], z[2];                                                                     \
+    for (int i = 0; i < 8; i++) /* 256-bit halves: row 2i, row 2i + 1 */                         \
+      w[i] = OP(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),                              \
+                _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));                             \
+    for (int j = 0; j < 4; j++) /* 128-bit lane t: row 4j + t */                                 \
+      u[j] = OP(_mm512_shuffle_f32x4(w[2 * j], w[2 * j + 1], 0x88),                              \
+                _mm512_shuffle_f32x4(w[2 * j], w[2 * j + 1], 0xDD));                             \
+    for (int k = 0; k < 2; k++) { /* lane t: rows 8k + t (floats 0-1), 8k + 4 + t (2-3) */       \
+      __m512d e = _mm512_castps_pd(u[2 * k]), f = _mm512_castps_pd(u[2 * k + 1]);                \
+      z[k] = OP(_mm512_castpd_ps(_mm512_unpacklo_pd(e, f)),                                      \
+                _mm512_castpd_ps(_mm512_unpackhi_pd(e, f)));                                     \
+    }                                                                                            \
+    __m512 r = OP(_mm512_shuffle_ps(z[0], z[1], 0x88), _mm512_shuffle_ps(z[0], z[1], 0xDD));     \
+    /* float 4t + c of r holds row 4c + t */                                                     \
+    return _mm512_permutexvar_ps(                                                                \
+        _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), r);             \
+  }
+HREDUCE16(rows_max16, _mm512_max_ps)
+HREDUCE16(rows_sum16, _mm512_add_ps)
+
 #define QB ROWS /* query rows per block: the panel pass's 12 */
 #define KP 32   /* keys per panel: two strips */
 
@@ -610,9 +669,15 @@ static void tile(const float* Qb, const float* Pn, int64_t D, float* S) {
 /* The keys [j0, j0 + n) of one KV head as a panel: two strips of 16 (D x 16 each, the products'
  * layout), columns past n zero */
 static void pack_panel(const float* k, int64_t st, int64_t j0, int64_t n, int64_t D, float* Pn) {
-  for (int64_t c = 0; c < KP; c++) {
-    float* strip = Pn + (c / 16) * D * 16 + c % 16;
-    for (int64_t d = 0; d < D; d++) strip[d * 16] = c < n ? k[(j0 + c) * st + d] : 0.0f;
+  for (int64_t c0 = 0; c0 < KP; c0 += 16) {
+    float* strip = Pn + (c0 / 16) * D * 16;
+    int64_t keys = n - c0 < 0 ? 0 : n - c0 < 16 ? n - c0 : 16;
+    if (keys < 16) /* a tail's missing columns are zeros */
+      for (int64_t x = 0; x < D * 16; x += 16) _mm512_storeu_ps(strip + x, _mm512_setzero_ps());
+    /* 16 keys x 16 of d at a time, transposed in registers (the scalar loop's strided stores
+     * were ~15% of the forward) */
+    for (int64_t d0 = 0; d0 < D && keys; d0 += 16)
+      transpose16(k + (j0 + c0) * st + d0, st, strip + d0 * 16, 16, (int)keys, 16);
   }
 }
 
@@ -663,7 +728,7 @@ void rl2_attn_fwd(const float* q, int64_t q_sh, int64_t q_st, const float* k, co
   int64_t n_seq = n_items / H, G = H / KH;
 #pragma omp parallel num_threads(threads)
   {
-    float Qb[QB * 128], Ob[QB * 128], S[QB * KP], m[QB], l[QB];
+    float Qb[QB * 128], Ob[QB * 128], S[QB * KP];
     float* panels = scratch + (int64_t)omp_get_thread_num() * cap;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t it = 0; it < n_items; it++) {
@@ -677,43 +742,57 @@ void rl2_attn_fwd(const float* q, int64_t q_sh, int64_t q_st, const float* k, co
       for (int64_t i0 = 0; i0 < L; i0 += QB) {
         int64_t R = L - i0 < QB ? L - i0 : QB;
         load_rows(q + h * q_sh + s * q_st, q_st, i0, R, D, scale, Qb);
-        for (int64_t r = 0; r < QB; r++) { m[r] = -INFINITY; l[r] = 0.0f; }
+        /* lane r: row r's running max and sum of exponentials (rows past R: padding) */
+        __m512 mv = _mm512_set1_ps(-INFINITY), lv = _mm512_setzero_ps();
+        __mmask16 live = tail16(R);
         for (int64_t x = 0; x < QB * D; x++) Ob[x] = 0.0f;
         int64_t last = off + i0 + R - 1; /* the block's last row: keys up to it */
         for (int64_t p = 0; p * KP <= last; p++) {
           int64_t j0 = p * KP, n = last + 1 - j0 < KP ? last + 1 - j0 : KP;
           tile(Qb, panels + p * KP * D, D, S);
-          for (int64_t r = 0; r < R; r++) {
+          __m512 part[16];
+          for (int64_t r = 0; r < 16; r++) {
+            if (r >= R) { part[r] = _mm512_set1_ps(-INFINITY); continue; }
             float* sr = S + r * KP;
             int64_t lim = off + i0 + r - j0 + 1; /* keys of this row in the panel: c < lim */
             lim = lim < n ? lim : n;
             __mmask16 k0 = lim <= 0 ? 0 : tail16(lim), k1 = lim <= 16 ? 0 : tail16(lim - 16);
             __m512 s0 = _mm512_mask_blend_ps(k0, _mm512_set1_ps(-INFINITY), _mm512_loadu_ps(sr));
             __m512 s1 = _mm512_mask_blend_ps(k1, _mm512_set1_ps(-INFINITY), _mm512_loadu_ps(sr + 16));
-            float mx = _mm512_reduce_max_ps(_mm512_max_ps(s0, s1));
-            float mn = mx > m[r] ? mx : m[r];
-            if (mn == -INFINITY) { /* no key yet (never: key 0 is always seen first) */
-              _mm512_storeu_ps(sr, _mm512_setzero_ps());
-              _mm512_storeu_ps(sr + 16, _mm512_setzero_ps());
-              continue;
-            }
-            float alpha = m[r] == -INFINITY ? 0.0f : expf(m[r] - mn);
-            __m512 top = _mm512_set1_ps(mn);
-            __m512 e0 = _mm512_maskz_mov_ps(k0, exp16(_mm512_sub_ps(s0, top)));
-            __m512 e1 = _mm512_maskz_mov_ps(k1, exp16(_mm512_sub_ps(s1, top)));
-            l[r] = l[r] * alpha + _mm512_reduce_add_ps(_mm512_add_ps(e0, e1));
-            m[r] = mn;
+            _mm512_storeu_ps(sr, s0);
+            _mm512_storeu_ps(sr + 16, s1);
+            part[r] = _mm512_max_ps(s0, s1);
+          }
+          /* a real row sees key 0 in the first panel, so its max is finite from there on; e^(-inf)
+           * = 0 drops the empty start. Padding rows get 0, not -inf - -inf. */
+          __m512 mn = _mm512_maskz_mov_ps(live, _mm512_max_ps(mv, rows_max16(part)));
+          __m512 alpha = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(mv, mn)));
+          float top[16], al[16];
+          _mm512_storeu_ps(top, mn);
+          _mm512_storeu_ps(al, alpha);
+          for (int64_t r = 0; r < 16; r++) {
+            if (r >= R) { part[r] = _mm512_setzero_ps(); continue; }
+            float* sr = S + r * KP;
+            __m512 t = _mm512_set1_ps(top[r]);
+            __m512 e0 = exp16(_mm512_sub_ps(_mm512_loadu_ps(sr), t)); /* masked keys: 0 */
+            __m512 e1 = exp16(_mm512_sub_ps(_mm512_loadu_ps(sr + 16), t));
             _mm512_storeu_ps(sr, e0);
             _mm512_storeu_ps(sr + 16, e1);
-            if (alpha != 1.0f) {
-              __m512 a = _mm512_set1_ps(alpha);
+            part[r] = _mm512_add_ps(e0, e1);
+            if (al[r] != 1.0f) {
+              __m512 a = _mm512_set1_ps(al[r]);
               for (int64_t x = 0; x < D; x += 16)
                 _mm512_storeu_ps(Ob + r * D + x, _mm512_mul_ps(a, _mm512_loadu_ps(Ob + r * D + x)));
             }
           }
+          lv = _mm512_add_ps(_mm512_mul_ps(lv, alpha), rows_sum16(part));
+          mv = mn;
           /* Ob[r] += sum_c P[r][c] V[j0 + c] */
           update(S, KP, 1, vb + j0 * kv_st, kv_st, R, n, Ob);
         }
+        float m[16], l[16];
+        _mm512_storeu_ps(m, mv);
+        _mm512_storeu_ps(l, lv);
         for (int64_t r = 0; r < R; r++) {
           float inv = 1.0f / l[r];
           float* o = out + ((s + i0 + r) * H + h) * D;
@@ -820,41 +899,6 @@ void rl2_attn_sum(const float* part, int64_t G, int64_t n, float* dst, int threa
     for (int64_t g = 1; g < G; g++) a = _mm512_add_ps(a, _mm512_maskz_loadu_ps(m, part + g * n + i));
     _mm512_mask_storeu_ps(dst + i, m, a);
   }
-}
-
-/* 16 x 16 block: dst[c * ldd + r] = src[r * lds + c] for r < R, c < C (R, C <= 16) */
-static inline void transpose16(const float* src, int64_t lds, float* dst, int64_t ldd, int R, int C) {
-  if (R < 16 || C < 16) {
-    for (int c = 0; c < C; c++)
-      for (int r = 0; r < R; r++) dst[c * ldd + r] = src[r * lds + c];
-    return;
-  }
-  __m512 a[16], b[16];
-  for (int r = 0; r < 16; r++) a[r] = _mm512_loadu_ps(src + r * lds);
-  /* 32-bit, then 64-bit interleaves of row pairs, then two exchanges of 128-bit lanes */
-  for (int r = 0; r < 16; r += 2) {
-    b[r] = _mm512_unpacklo_ps(a[r], a[r + 1]);
-    b[r + 1] = _mm512_unpackhi_ps(a[r], a[r + 1]);
-  }
-  for (int r = 0; r < 16; r += 4) {
-    __m512d p0 = _mm512_castps_pd(b[r]), p1 = _mm512_castps_pd(b[r + 1]);
-    __m512d p2 = _mm512_castps_pd(b[r + 2]), p3 = _mm512_castps_pd(b[r + 3]);
-    a[r] = _mm512_castpd_ps(_mm512_unpacklo_pd(p0, p2));
-    a[r + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(p0, p2));
-    a[r + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(p1, p3));
-    a[r + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(p1, p3));
-  }
-  /* now a[4q + j], 128-bit lane l: column 4l + j of rows 4q..4q+3; two lane exchanges remain */
-  for (int h = 0; h < 16; h += 8)
-    for (int j = 0; j < 4; j++) {
-      b[h + j] = _mm512_shuffle_f32x4(a[h + j], a[h + 4 + j], 0x88);
-      b[h + 4 + j] = _mm512_shuffle_f32x4(a[h + j], a[h + 4 + j], 0xdd);
-    }
-  for (int j = 0; j < 8; j++) {
-    a[j] = _mm512_shuffle_f32x4(b[j], b[8 + j], 0x88);
-    a[8 + j] = _mm512_shuffle_f32x4(b[j], b[8 + j], 0xdd);
-  }
-  for (int c = 0; c < 16; c++) _mm512_storeu_ps(dst + c * ldd, a[c]);
 }
 
 /* dst[C, R] = src[R, C]^T (row strides lds, ldd): a training linear's weight gradient and

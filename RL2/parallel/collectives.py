@@ -139,15 +139,34 @@ def sequence_sums(x: Tensor, cu_seqlens: Tensor, sp_group=None,
 
 @torch.no_grad()
 def grad_norm_and_clip(params, max_norm: float | None) -> float:
-    """Total L2 norm of the gradients of `params` (any mix of meshes / placements), then clip.
+    """Total L2 norm of the gradients of `params` (`grad_norm`), then clip: if max_norm > 0 and
+    the norm is finite, scale every gradient by `clip_coefficient`. A non-finite norm leaves
+    gradients untouched; callers should skip the optimizer step."""
+    norm = grad_norm(params)
+    coef = clip_coefficient(norm, max_norm)
+    if coef is not None:
+        for p in params:
+            if p.grad is not None:
+                p.grad.mul_(coef)
+    return norm
 
-    Steps:
+
+def clip_coefficient(norm: float, max_norm: float | None) -> float | None:
+    """max_norm / norm where clipping by the global norm scales the gradients (a finite norm
+    over max_norm > 0), else None."""
+    if max_norm is None or max_norm <= 0 or not math.isfinite(norm):
+        return None
+    coef = max_norm / (norm + 1e-6)
+    return coef if coef < 1.0 else None
+
+
+@torch.no_grad()
+def grad_norm(params) -> float:
+    """Total L2 norm of the gradients of `params` (any mix of meshes / placements):
     1. per gradient, the squared L2 norm of the local shard (Partial grads are first reduced);
     2. sum these per set of process groups the gradient is sharded over (replicated mesh dims
        hold copies and are not reduced; plain tensors are treated as replicated);
-    3. all-reduce each sum over its groups, add up: every rank gets the same total;
-    4. if max_norm > 0 and the norm is finite, scale every gradient by min(1, max_norm / norm).
-    A non-finite norm leaves gradients untouched; callers should skip the optimizer step.
+    3. all-reduce each sum over its groups, add up: every rank gets the same total.
     """
     grads = [p.grad for p in params if p.grad is not None]
     buckets: dict[tuple, torch.Tensor] = {}
@@ -175,10 +194,4 @@ def grad_norm_and_clip(params, max_norm: float | None) -> float:
             sq = sq.to(group_device(group))
             dist.all_reduce(check_device(sq, group), group=group)
         total += sq.item()
-    norm = math.sqrt(total)
-    if max_norm is not None and max_norm > 0 and math.isfinite(norm):
-        coef = max_norm / (norm + 1e-6)
-        if coef < 1.0:
-            for g in grads:
-                g.mul_(coef)
-    return norm
+    return math.sqrt(total)

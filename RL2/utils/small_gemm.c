@@ -658,12 +658,18 @@ HREDUCE16(rows_sum16, _mm512_add_ps)
 #define KP 32   /* keys per panel: two strips */
 
 /* S[r][0:32] = Qb[r] . the panel's 32 columns, r < 12 (Qb: 12 x D, rows past the block zeros):
- * the products' own 12-row panel pass */
-static void tile(const float* Qb, const float* Pn, int64_t D, float* S) {
+ * the products' own 12-row panel pass. A panel with n <= 16 live keys (the causal diagonal's
+ * last) takes its first strip only and zeros the rest of S: half the work. */
+static void tile(const float* Qb, const float* Pn, int64_t D, int64_t n, float* S) {
   epilogue e = {0};
   e.off1 = 16;
   e.mask = (__mmask16)0xFFFF;
-  panel_12(Qb, D, 0, D, Pn, Pn + D * 16, 0, S, KP, &e, Pn + AHEAD * 16, Pn + (D + AHEAD) * 16, 1);
+  if (n > 16) {
+    panel_12(Qb, D, 0, D, Pn, Pn + D * 16, 0, S, KP, &e, Pn + AHEAD * 16, Pn + (D + AHEAD) * 16, 1);
+    return;
+  }
+  panel_12(Qb, D, 0, D, Pn, NULL, 0, S, KP, &e, Pn + AHEAD * 16, NULL, 1);
+  for (int r = 0; r < QB; r++) _mm512_storeu_ps(S + r * KP + 16, _mm512_setzero_ps());
 }
 
 /* The keys [j0, j0 + n) of one KV head as a panel: two strips of 16 (D x 16 each, the products'
@@ -749,7 +755,7 @@ void rl2_attn_fwd(const float* q, int64_t q_sh, int64_t q_st, const float* k, co
         int64_t last = off + i0 + R - 1; /* the block's last row: keys up to it */
         for (int64_t p = 0; p * KP <= last; p++) {
           int64_t j0 = p * KP, n = last + 1 - j0 < KP ? last + 1 - j0 : KP;
-          tile(Qb, panels + p * KP * D, D, S);
+          tile(Qb, panels + p * KP * D, D, n, S);
           __m512 part[16];
           for (int64_t r = 0; r < 16; r++) {
             if (r >= R) { part[r] = _mm512_set1_ps(-INFINITY); continue; }
@@ -855,8 +861,8 @@ void rl2_attn_bwd(const float* q, int64_t q_sh, int64_t q_st, const float* k, co
         int64_t last = off + i0 + R - 1;
         for (int64_t p = 0; p * KP <= last; p++) {
           int64_t j0 = p * KP, n = last + 1 - j0 < KP ? last + 1 - j0 : KP;
-          tile(Qb, kpan + p * KP * D, D, S);
-          tile(dOb, vpan + p * KP * D, D, dP);
+          tile(Qb, kpan + p * KP * D, D, n, S);
+          tile(dOb, vpan + p * KP * D, D, n, dP);
           for (int64_t r = 0; r < QB; r++) {
             float *sr = S + r * KP, *dr = dP + r * KP;
             int64_t lim = r < R ? off + i0 + r - j0 + 1 : 0;

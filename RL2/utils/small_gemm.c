@@ -579,22 +579,6 @@ void rl2_glu_bwd(const float* g, const float* u, const float* dh, int64_t n, flo
   }
 }
 
-/* Training attention: causal softmax attention inside each sequence of a packed row, forward
- * and backward, fp32, head_dim 64 or 128 (flash-attention's blocked formulation: no L x L score
- * matrix). Per sequence and query head, blocks of QB query rows meet panels of 32 keys: the
- * scores come from rl2_small_gemm's own 12-row panel pass (the keys repacked as its two
- * strips of 16), the softmax runs online over the panels, and panels past the
- * block's last row are skipped (ATen's CPU kernel splits keys in 512s, so a sequence under ~1000
- * tokens does the work of a full square; benchmarks/README.md, fix 31). Scores are taken as
- * (scale * q) . k. Layouts: q (h, t, d) at h * q_sh + t * q_st + d, k and v likewise with KH
- * heads (query head h reads KV head h / (H / KH)); out, dq: (t, h, d) contiguous; lse: (h, t);
- * dk, dv: (tk, kh, d) contiguous. Work items are (query head, sequence) pairs, handed out
- * dynamically in the caller's order (the most work first). scratch: per thread, the packed
- * keys (and, backward, values and the dK / dV sums) of one sequence, `cap` floats each (the
- * most keys of a sequence rounded up to 32, times D). kbounds: where each sequence's keys lie
- * in k and v (`bounds` itself, or gathered keys of a shared prompt, TK rows): a sequence of L
- * queries and M >= L keys aligns its causal mask to the bottom right, so query row i sees keys
- * 0..M-L+i (flash-attention's rule for fewer queries than keys). */
 /* 16 x 16 block: dst[c * ldd + r] = src[r * lds + c] for r < R, c < C (R, C <= 16) */
 static inline void transpose16(const float* src, int64_t lds, float* dst, int64_t ldd, int R, int C) {
   if (R < 16 || C < 16) {
@@ -654,6 +638,22 @@ static inline void transpose16(const float* src, int64_t lds, float* dst, int64_
 HREDUCE16(rows_max16, _mm512_max_ps)
 HREDUCE16(rows_sum16, _mm512_add_ps)
 
+/* Training attention: causal softmax attention inside each sequence of a packed row, forward
+ * and backward, fp32, head_dim 64 or 128 (flash-attention's blocked formulation: no L x L score
+ * matrix). Per sequence and query head, blocks of QB query rows meet panels of 32 keys: the
+ * scores come from rl2_small_gemm's own 12-row panel pass (the keys repacked as its two
+ * strips of 16), the softmax runs online over the panels, and panels past the
+ * block's last row are skipped (ATen's CPU kernel splits keys in 512s, so a sequence under ~1000
+ * tokens does the work of a full square; benchmarks/README.md, fix 31). Scores are taken as
+ * (scale * q) . k. Layouts: q (h, t, d) at h * q_sh + t * q_st + d, k and v likewise with KH
+ * heads (query head h reads KV head h / (H / KH)); out, dq: (t, h, d) contiguous; lse: (h, t);
+ * dk, dv: (tk, kh, d) contiguous. Work items are (query head, sequence) pairs, handed out
+ * dynamically in the caller's order (the most work first). scratch: per thread, the packed
+ * keys (and, backward, values and the dK / dV sums) of one sequence, `cap` floats each (the
+ * most keys of a sequence rounded up to 32, times D). kbounds: where each sequence's keys lie
+ * in k and v (`bounds` itself, or gathered keys of a shared prompt, TK rows): a sequence of L
+ * queries and M >= L keys aligns its causal mask to the bottom right, so query row i sees keys
+ * 0..M-L+i (flash-attention's rule for fewer queries than keys). */
 #define QB ROWS /* query rows per block: the panel pass's 12 */
 #define KP 32   /* keys per panel: two strips */
 

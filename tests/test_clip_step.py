@@ -1,7 +1,6 @@
 """Worker.step's clip by the global norm folded into fused AdamW (fix 51): the same update as
 scaling every gradient first and stepping (torch's clip_grad_norm_ + AdamW), on plain tensors
 and on FSDP2 shards (2 gloo ranks against one process); other optimizers scale the gradients."""
-import copy
 
 import pytest
 import torch

@@ -680,3 +680,29 @@ def test_transpose_declines_what_it_does_not_take():
     assert small_gemm.transpose(torch.randn(2, 3, 4)) is None
     assert small_gemm.transpose(torch.randn(0, 4)).shape == (4, 0)
     assert small_gemm.transpose(torch._neg_view(torch.randn(20, 20))) is None  # lazy negation
+
+
+@needs_kernel
+@pytest.mark.parametrize("sizes,k", [([16], 32), ([40], 33), ([7], 5), ([1536], 512), ([512, 256, 256], 64),
+                                     ([512, 256, 250], 96), ([20, 30], 64)])
+def test_packing_in_c_is_the_torch_layout_bit_for_bit(sizes, k):
+    # pack_many's one copy must lay out exactly what pack / pack_glu of the stacked rows do:
+    # one weight, q / k / v stacked, the rotary order, a gate's and up's alternating strips,
+    # tails under 16 rows; ([20, 30]) a strip would mix two weights: torch's ops, same layout
+    ws = [torch.randn(n, k) for n in sizes]
+    stacked = torch.cat(ws)
+    want = {None: small_gemm.pack(stacked)}
+    n = stacked.shape[0]
+    if k % 32 == 0 and n >= 64:
+        order = small_gemm.rope_order(n, n // 64 - 1 if n >= 128 else 1, 32)
+        want[order] = small_gemm.pack(stacked[order])
+    for order, layout in want.items():
+        _same_bits_with_1_2_3_threads(lambda: small_gemm.pack_many(ws, order=order))
+        assert torch.equal(small_gemm.pack_many(ws, order=order), layout)
+    assert (small_gemm.strip_sources(ws) is None) == any(s % 16 for s in sizes[:-1])
+    up = torch.randn(sizes[0], k)
+    assert torch.equal(small_gemm.pack_many([ws[0], up], glu=True), small_gemm.pack_glu(ws[0], up))
+    # not dense row-major (a transposed view): torch's ops, the same layout
+    t = torch.randn(k, sizes[0]).t()
+    assert small_gemm.strip_sources([t]) is None
+    assert torch.equal(small_gemm.pack_many([t]), small_gemm.pack(t))

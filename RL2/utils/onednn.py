@@ -283,7 +283,7 @@ class PackedLinears:
             if entry is None or entry[0] != ws[0].data_ptr():
                 if not _eligible(x, ws[0]):
                     return None
-                entry = (ws[0].data_ptr(), small_gemm.pack(ws[0]))
+                entry = (ws[0].data_ptr(), small_gemm.pack_many(ws))
                 self._strips[projs[0]] = entry
             return entry[1], ws[0].shape[0], projs[0].bias
         key = tuple(w.data_ptr() for w in ws)
@@ -294,14 +294,14 @@ class PackedLinears:
                     len(ws) != 2 or ws[0].shape != ws[1].shape):
                 return None
             if glu:
-                entry = (key, small_gemm.pack_glu(*(w.detach() for w in ws)), ws[0].shape[0],
+                entry = (key, small_gemm.pack_many(ws, glu=True), ws[0].shape[0],
                          small_gemm.pack_glu_bias(projs[0].bias, projs[1].bias))
             else:
-                stacked, bias = _stack(projs)
-                if order is not None:
-                    rows = small_gemm.rope_order(*order)
-                    stacked, bias = stacked[rows], None if bias is None else bias[rows]
-                entry = (key, small_gemm.pack(stacked), stacked.shape[0], bias)
+                bias = _stack_bias(projs)
+                rows = small_gemm.rope_order(*order) if order is not None else None
+                if rows is not None and bias is not None:
+                    bias = bias[rows]
+                entry = (key, small_gemm.pack_many(ws, order=rows), sum(w.shape[0] for w in ws), bias)
             self._strips[slot] = entry
         return entry[1:]
 
@@ -337,12 +337,16 @@ class PackedLinears:
         return _mm(x, entry[1], entry[2])
 
 
+def _stack_bias(projs: tuple) -> torch.Tensor | None:
+    """The biases of `projs` stacked along the output dimension (zeros for a layer without
+    one; None when none has a bias)."""
+    if all(p.bias is None for p in projs):
+        return None
+    return torch.cat([p.bias.detach() if p.bias is not None else p.weight.new_zeros(p.weight.shape[0])
+                      for p in projs])
+
+
 def _stack(projs: tuple) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The weights of `projs` stacked along the output dimension, and their biases (zeros for
-    a layer without one; None when none has a bias)."""
-    ws = [p.weight.detach() for p in projs]
-    bias = None
-    if any(p.bias is not None for p in projs):
-        bias = torch.cat([p.bias.detach() if p.bias is not None else w.new_zeros(w.shape[0])
-                          for p, w in zip(projs, ws)])
-    return torch.cat(ws), bias
+    """The weights of `projs` stacked along the output dimension, and their biases
+    (`_stack_bias`)."""
+    return torch.cat([p.weight.detach() for p in projs]), _stack_bias(projs)

@@ -919,3 +919,24 @@ void rl2_transpose(const float* src, int64_t R, int64_t C, int64_t lds, float* d
         transpose16(src + rr * lds + c, lds, dst + c * ldd + rr, ldd,
                     R - rr < 16 ? (int)(R - rr) : 16, C - c < 16 ? (int)(C - c) : 16);
 }
+
+/* The kernel's weight layout in one pass: strip s (K rows of 16 floats at out + s * K * 16) is
+ * the nrows[s] <= 16 weight rows from address src[s] (row stride lds floats) transposed, zeros
+ * in its lanes past nrows[s]. Python describes the strips (small_gemm.strip_sources), so one
+ * weight, stacked ones (q / k / v), the rotary order and a gate's and up's alternating strips
+ * are all this copy; torch's reshape-transpose-contiguous plus the cat / stack / row gather
+ * for those made 2-4 passes over ~100 MB after every weight sync (benchmarks/README.md, fix 53). */
+void rl2_pack_strips(const int64_t* src, const int32_t* nrows, int64_t S, int64_t K, int64_t lds,
+                     float* out, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t s = 0; s < S; s++) {
+    const float* w = (const float*)(intptr_t)src[s];
+    float* dst = out + s * K * 16;
+    int r = nrows[s];
+    if (r < 16)
+      for (int64_t i = 0; i < K * 16; i++) dst[i] = 0.0f;
+    if (r > 0)
+      for (int64_t k0 = 0; k0 < K; k0 += 16)
+        transpose16(w + k0, lds, dst + k0 * 16, 16, r, K - k0 < 16 ? (int)(K - k0) : 16);
+  }
+}

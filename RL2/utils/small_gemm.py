@@ -168,9 +168,10 @@ def load():
                                      i, p, p, p, ctypes.c_int]
         lib.rl2_attn_sum.argtypes = [p, i, i, p, ctypes.c_int]
         lib.rl2_transpose.argtypes = [p, i, i, i, p, i, ctypes.c_int]
+        lib.rl2_pack_strips.argtypes = [p, p, i, i, i, p, ctypes.c_int]
         for fn in (lib.rl2_rms_norm, lib.rl2_silu_mul, lib.rl2_rope, lib.rl2_rms_norm_fwd,
                    lib.rl2_rms_norm_bwd, lib.rl2_glu_fwd, lib.rl2_glu_bwd, lib.rl2_attn_fwd,
-                   lib.rl2_attn_bwd, lib.rl2_attn_sum, lib.rl2_transpose):
+                   lib.rl2_attn_bwd, lib.rl2_attn_sum, lib.rl2_transpose, lib.rl2_pack_strips):
             fn.restype = None
         if len(openmp_libraries()) != 1:
             return None, "loading the kernel brought a second OpenMP runtime"
@@ -202,6 +203,69 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
 def pack_glu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """Two weights [N, K] -> their strips alternating, [2 * ceil(N / 16), K, 16] (`linear`'s glu)."""
     return torch.stack([pack(gate), pack(up)], 1).flatten(0, 1)
+
+
+def strip_sources(weights: list, order: torch.Tensor | None = None,
+                  glu: bool = False) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Where each strip of `pack(torch.cat(weights)[order])` (glu: `pack_glu(*weights)`) takes
+    its rows: (addresses [S] int64, rows [S] int32), every strip 16 consecutive rows of one
+    weight, or fewer at a weight's end (zero columns after them). None when a strip would mix
+    two weights' rows or rows out of order, or a weight is not a dense row-major fp32 CPU [N, K]
+    of one K: then only the general copy (`pack` of the stacked rows) makes the layout."""
+    k = weights[0].shape[-1] if weights else 0
+    if not weights or any(
+            type(w) not in (torch.Tensor, torch.nn.Parameter) or w.dim() != 2 or w.shape[1] != k
+            or w.dtype != torch.float32 or w.device.type != "cpu" or not w.is_contiguous()
+            or w.is_neg() or w.is_conj() or not w.shape[0] for w in weights):
+        return None
+    if glu:
+        if len(weights) != 2 or weights[0].shape != weights[1].shape:
+            return None
+        parts = [strip_sources([w]) for w in weights]
+        if None in parts:
+            return None
+        return tuple(torch.stack([a, b], 1).flatten() for a, b in zip(*parts))
+    if order is None:  # each weight's strips in turn
+        if any(w.shape[0] % 16 for w in weights[:-1]):
+            return None
+        firsts = [torch.arange(0, w.shape[0], 16) for w in weights]
+        return (torch.cat([w.data_ptr() + f * (4 * k) for w, f in zip(weights, firsts)]),
+                torch.cat([(w.shape[0] - f).clamp(max=16) for w, f in zip(weights, firsts)])
+                .to(torch.int32))
+    sizes = torch.tensor([w.shape[0] for w in weights])
+    ends = sizes.cumsum(0)
+    rows = order.to(torch.int64)
+    blocks = F.pad(rows, (0, -rows.numel() % 16), value=-1).view(-1, 16)
+    count = (blocks >= 0).sum(1)
+    lane = torch.arange(16)
+    first = blocks[:, 0].contiguous()
+    want = torch.where(lane < count[:, None], first[:, None] + lane, -1)
+    which = torch.searchsorted(ends, first, right=True)
+    if (not torch.equal(blocks, want) or (first < 0).any()
+            or not torch.equal(torch.searchsorted(ends, first + count - 1, right=True), which)):
+        return None
+    starts = ends - sizes
+    ptrs = torch.tensor([w.data_ptr() for w in weights], dtype=torch.int64)
+    return ptrs[which] + (first - starts[which]) * (4 * k), count.to(torch.int32)
+
+
+def pack_many(weights: list, order: torch.Tensor | None = None, glu: bool = False) -> torch.Tensor:
+    """`pack(torch.cat(weights)[order])`, or with glu `pack_glu(*weights)`, bit for bit: one
+    multi-threaded copy in C where `strip_sources` describes it (fix 53), else torch's ops."""
+    lib = load()[0]
+    ws = [w.detach() for w in weights]
+    src = strip_sources(ws, order, glu) if lib is not None else None
+    if src is None:
+        if glu:
+            return pack_glu(*ws)
+        stacked = torch.cat(ws) if len(ws) > 1 else ws[0]
+        return pack(stacked if order is None else stacked[order])
+    addresses, rows = src
+    k = ws[0].shape[1]
+    out = torch.empty(addresses.numel(), k, 16)
+    lib.rl2_pack_strips(addresses.data_ptr(), rows.data_ptr(), addresses.numel(), k, k,
+                        out.data_ptr(), torch.get_num_threads())
+    return out
 
 
 def pack_glu_bias(gate: torch.Tensor | None, up: torch.Tensor | None) -> torch.Tensor | None:

@@ -86,11 +86,10 @@ def sample(logits: torch.Tensor, seqs: list[Seq]) -> list[tuple[int, float]]:
     log_softmax(logits/T)[token]) per row."""
     params = [seq.req.params for seq in seqs]
     sampled = [p.temperature >= GREEDY_BELOW for p in params]
-    if any(sampled):
-        temps = torch.tensor([p.temperature if s else 1.0 for p, s in zip(params, sampled)],
-                             device=logits.device)
-        logp = torch.log_softmax(logits / temps[:, None], dim=-1)
-    else:  # all greedy: T = 1 everywhere, no division
+    temps = [p.temperature if s else 1.0 for p, s in zip(params, sampled)]
+    if any(t != 1.0 for t in temps):
+        logp = torch.log_softmax(logits / torch.tensor(temps, device=logits.device)[:, None], dim=-1)
+    else:  # T = 1 everywhere (greedy rows, or sampling at 1): x / 1 is x, no division pass
         logp = torch.log_softmax(logits, dim=-1)
     if all(sampled):  # every row's token is drawn below
         tokens = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
@@ -98,7 +97,9 @@ def sample(logits: torch.Tensor, seqs: list[Seq]) -> list[tuple[int, float]]:
         tokens = logits.max(-1).indices
     plain = [j for j, p in enumerate(params) if sampled[j] and p.top_k <= 0 and p.top_p >= 1]
     filtered = [j for j, p in enumerate(params) if sampled[j] and (p.top_k > 0 or p.top_p < 1)]
-    if plain:
+    if len(plain) == len(seqs):  # every row: no gather of the rows and scatter back
+        tokens = _invert_cdf(logp.exp(), seqs)
+    elif plain:
         rows = torch.tensor(plain, device=logits.device)
         tokens[rows] = _invert_cdf(logp[rows].exp(), [seqs[j] for j in plain])
     if filtered:

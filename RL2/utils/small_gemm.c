@@ -6,8 +6,9 @@
  * from memory once per call: W comes repacked into strips of 16 output columns (strip s holds
  * W[16s : 16s + 16, :]^T as K rows of 16 floats, zero rows past N; small_gemm.py packs it). A
  * panel is two adjacent strips (32 columns, the last panel may be one strip); up to 12 rows of x
- * are multiplied against a panel at once, one zmm accumulator per row and strip (24 of the 32
- * registers), and further rows re-read the panel from cache: in groups of up to 48 rows whose
+ * (copied first with their values interleaved, step k's side by side: fix 55) are multiplied
+ * against a panel at once, one zmm accumulator per row and strip (24 of the 32 registers), and
+ * further rows re-read the panel from cache: in groups of up to 48 rows whose
  * passes take turns over chunks of 64 k, so that the weights stream in while the passes compute
  * (one core has too few outstanding misses to fetch a panel at the pace of one 12-row pass, and
  * fetched nothing during the passes after it: fix 35). Panels are shared out among OpenMP
@@ -22,6 +23,7 @@
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 #define ROWS 12 /* rows per pass */
 #define AHEAD 64 /* prefetch distance in k (4 KiB of a strip; 16 was 5-20% slower, fix 27) */
@@ -77,8 +79,8 @@ typedef struct {
  * from the bias at k0 = 0, else from acc (R x 32 floats, where the previous chunk left them),
  * and go back to acc unless k1 = K, then finished into y (row stride ldy). Every `every`-th
  * step prefetches the next line of p0 and of p1 (the weights to be read next, see below). */
-#define PANEL(R)                                                                                 \
-  static void panel_##R(const float* x, int64_t K, int64_t k0, int64_t k1, const float* w0,     \
+#define PANEL_AT(NAME, R, XAT)                                                                   \
+  static void NAME(const float* x, int64_t K, int64_t k0, int64_t k1, const float* w0,     \
                         const float* w1, float* acc, float* y, int64_t ldy, const epilogue* e,   \
                         const float* p0, const float* p1, int every) {                           \
     int cnt = every;                                                                             \
@@ -105,7 +107,7 @@ typedef struct {
         }                                                                                        \
         __m512 u = _mm512_loadu_ps(w0 + k * 16), v = _mm512_loadu_ps(w1 + k * 16);               \
         for (int r = 0; r < R; r++) {                                                            \
-          __m512 s = _mm512_set1_ps(x[r * K + k]);                                               \
+          __m512 s = _mm512_set1_ps(x[XAT]);                                                     \
           a0[r] = _mm512_fmadd_ps(s, u, a0[r]);                                                  \
           a1[r] = _mm512_fmadd_ps(s, v, a1[r]);                                                  \
         }                                                                                        \
@@ -118,7 +120,7 @@ typedef struct {
           p0 += 16;                                                                              \
         }                                                                                        \
         __m512 u = _mm512_loadu_ps(w0 + k * 16);                                                 \
-        for (int r = 0; r < R; r++) a0[r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * K + k]), u, a0[r]); \
+        for (int r = 0; r < R; r++) a0[r] = _mm512_fmadd_ps(_mm512_set1_ps(x[XAT]), u, a0[r]);       \
       }                                                                                          \
     }                                                                                            \
     if (k1 < K) {                                                                                \
@@ -165,13 +167,24 @@ static inline void finish_two(__m512 a0, __m512 a1, float* y, int r, int64_t ldy
   _mm512_mask_storeu_ps(y + e->off1, e->mask, a1);
 }
 
+/* x row-major (row r at x + r * K); and x interleaved, the R rows' values of step k side by
+ * side at x + k * R: one pointer for all rows, where twelve row pointers took the loop more
+ * registers than x86 has and the compiler moved them through vector registers on the
+ * multiply-add ports each step (fix 55) */
+#define PANEL(R) PANEL_AT(panel_##R, R, r * K + k)
+#define PANELI(R) PANEL_AT(paneli_##R, R, k * R + r)
 PANEL(1) PANEL(2) PANEL(3) PANEL(4) PANEL(5) PANEL(6)
 PANEL(7) PANEL(8) PANEL(9) PANEL(10) PANEL(11) PANEL(12)
+PANELI(1) PANELI(2) PANELI(3) PANELI(4) PANELI(5) PANELI(6)
+PANELI(7) PANELI(8) PANELI(9) PANELI(10) PANELI(11) PANELI(12)
 
 typedef void (*panel_fn)(const float*, int64_t, int64_t, int64_t, const float*, const float*,
                          float*, float*, int64_t, const epilogue*, const float*, const float*, int);
 static const panel_fn PANELS[ROWS + 1] = {0, panel_1, panel_2, panel_3, panel_4, panel_5, panel_6,
                                           panel_7, panel_8, panel_9, panel_10, panel_11, panel_12};
+static const panel_fn PANELS_I[ROWS + 1] = {0, paneli_1, paneli_2, paneli_3, paneli_4, paneli_5,
+                                            paneli_6, paneli_7, paneli_8, paneli_9, paneli_10,
+                                            paneli_11, paneli_12};
 
 /* h = x / sqrt(mean(x^2) + eps) * norm_w, one row of K (HF's fp32 RMSNorm, summed in another order) */
 static float rms_row(const float* x, int64_t K, const float* norm_w, float eps, float* h) {
@@ -191,6 +204,8 @@ static float rms_row(const float* x, int64_t K, const float* norm_w, float eps, 
   return r;
 }
 
+static void interleave_rows(const float* src, int64_t lds, int R, int64_t K, float* dst);
+
 /* x: M x K row-major; w: ceil(N / 16) strips; bias: N floats or NULL; res: M x N or NULL, added
  * last; norm_w: K floats or NULL, then x is RMS-normalised first (eps) into h (M x K scratch);
  * y: M x N row-major.
@@ -205,14 +220,35 @@ void rl2_small_gemm(const float* x, int64_t M, int64_t K, const float* w, int64_
                     const float* sin, int threads) {
   int64_t strips = (N + 15) / 16, panels = glu ? strips : (strips + 1) / 2;
   int64_t per_head = head_dim / 32, rope_panels = rope_heads * per_head;
-  const float* a = norm_w ? h : x;
+  /* each pass's rows interleaved (PANELI): pass b's rows 12b.. at xp + 12 b K. The calling
+   * thread keeps the buffer (a decode step makes ~30 calls: no allocation each time) */
+  static __thread float* xp;
+  static __thread int64_t xp_cap;
+  if (M > 1 && M * K > xp_cap) {
+    free(xp);
+    xp = (float*)malloc(M * K * sizeof(float));
+    xp_cap = xp ? M * K : 0;
+  }
+  float* xi = M > 1 ? xp : 0; /* the parallel region's threads read this thread's buffer */
+  /* one row is its own interleaving; without the buffer (no memory) the row-major passes */
+  const float* a = xi ? xi : norm_w ? h : x;
+  const panel_fn* pass = xi ? PANELS_I : PANELS;
+  int64_t blocks = (M + ROWS - 1) / ROWS;
 #pragma omp parallel num_threads(threads)
   {
     float acc[GROUP * 32]; /* a group's sums between chunks */
-    if (norm_w) {
+    if (norm_w || xi) {
 #pragma omp for schedule(static)
-      for (int64_t m = 0; m < M; m++) rms_row(x + m * K, K, norm_w, eps, h + m * K);
-    } /* the loop's barrier: every row is normalised before any panel reads it */
+      for (int64_t b = 0; b < blocks; b++) {
+        int64_t m = b * ROWS, rows = M - m < ROWS ? M - m : ROWS;
+        const float* src = x + m * K;
+        if (norm_w) {
+          for (int64_t r = m; r < m + rows; r++) rms_row(x + r * K, K, norm_w, eps, h + r * K);
+          src = h + m * K;
+        }
+        if (xi) interleave_rows(src, K, (int)rows, K, xi + m * K);
+      } /* the loop's barrier: every pass's rows are in place before any panel reads them */
+    }
 #pragma omp for schedule(static)
     for (int64_t p = 0; p < panels; p++) {
       int64_t s = 2 * p; /* the panel's first strip in w */
@@ -262,7 +298,7 @@ void rl2_small_gemm(const float* x, int64_t M, int64_t K, const float* w, int64_
               p1 = k1 < K ? (w1 ? w1 : w0) + (k1 + skip) * 16 : next1 + skip * 16;
               every = (int)passes;
             }
-            PANELS[rows](a + m * K, K, k0, k1, w0, w1, acc + 32 * (m - g), y + m * N + n0, N,
+            pass[rows](a + m * K, K, k0, k1, w0, w1, acc + 32 * (m - g), y + m * N + n0, N,
                          &em, p0, p1, every);
           }
         }
@@ -579,15 +615,9 @@ void rl2_glu_bwd(const float* g, const float* u, const float* dh, int64_t n, flo
   }
 }
 
-/* 16 x 16 block: dst[c * ldd + r] = src[r * lds + c] for r < R, c < C (R, C <= 16) */
-static inline void transpose16(const float* src, int64_t lds, float* dst, int64_t ldd, int R, int C) {
-  if (R < 16 || C < 16) {
-    for (int c = 0; c < C; c++)
-      for (int r = 0; r < R; r++) dst[c * ldd + r] = src[r * lds + c];
-    return;
-  }
-  __m512 a[16], b[16];
-  for (int r = 0; r < 16; r++) a[r] = _mm512_loadu_ps(src + r * lds);
+/* a[c] = column c of the 16 x 16 block whose rows were a[0..15] */
+static inline void transpose_regs(__m512* a) {
+  __m512 b[16];
   /* 32-bit, then 64-bit interleaves of row pairs, then two exchanges of 128-bit lanes */
   for (int r = 0; r < 16; r += 2) {
     b[r] = _mm512_unpacklo_ps(a[r], a[r + 1]);
@@ -611,7 +641,34 @@ static inline void transpose16(const float* src, int64_t lds, float* dst, int64_
     a[j] = _mm512_shuffle_f32x4(b[j], b[8 + j], 0x88);
     a[8 + j] = _mm512_shuffle_f32x4(b[j], b[8 + j], 0xdd);
   }
+}
+
+/* 16 x 16 block: dst[c * ldd + r] = src[r * lds + c] for r < R, c < C (R, C <= 16) */
+static inline void transpose16(const float* src, int64_t lds, float* dst, int64_t ldd, int R, int C) {
+  if (R < 16 || C < 16) {
+    for (int c = 0; c < C; c++)
+      for (int r = 0; r < R; r++) dst[c * ldd + r] = src[r * lds + c];
+    return;
+  }
+  __m512 a[16];
+  for (int r = 0; r < 16; r++) a[r] = _mm512_loadu_ps(src + r * lds);
+  transpose_regs(a);
   for (int c = 0; c < 16; c++) _mm512_storeu_ps(dst + c * ldd, a[c]);
+}
+
+/* dst[k * R + r] = src[r * lds + k] for r < R <= 16, k < K: a pass's rows side by side, as
+ * the interleaved panel passes read them (PANELI) */
+static void interleave_rows(const float* src, int64_t lds, int R, int64_t K, float* dst) {
+  __mmask16 rows = tail16(R);
+  for (int64_t k0 = 0; k0 < K; k0 += 16) {
+    int C = K - k0 < 16 ? (int)(K - k0) : 16;
+    __mmask16 cols = tail16(C);
+    __m512 a[16];
+    for (int r = 0; r < 16; r++)
+      a[r] = r < R ? _mm512_maskz_loadu_ps(cols, src + r * lds + k0) : _mm512_setzero_ps();
+    transpose_regs(a);
+    for (int c = 0; c < C; c++) _mm512_mask_storeu_ps(dst + (k0 + c) * R, rows, a[c]);
+  }
 }
 
 /* Lane r of the result: OP over the 16 lanes of v[r], r < 16, by a transposing tree: 15 OPs and

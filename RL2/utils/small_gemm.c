@@ -714,18 +714,19 @@ HREDUCE16(rows_sum16, _mm512_add_ps)
 #define QB ROWS /* query rows per block: the panel pass's 12 */
 #define KP 32   /* keys per panel: two strips */
 
-/* S[r][0:32] = Qb[r] . the panel's 32 columns, r < 12 (Qb: 12 x D, rows past the block zeros):
- * the products' own 12-row panel pass. A panel with n <= 16 live keys (the causal diagonal's
- * last) takes its first strip only and zeros the rest of S: half the work. */
-static void tile(const float* Qb, const float* Pn, int64_t D, int64_t n, float* S) {
+/* S[r][0:32] = Qb[r] . the panel's 32 columns, r < 12 (Qi: the 12 x D block Qb, rows past the
+ * block zeros, interleaved by interleave_rows): the products' own 12-row panel pass. A panel
+ * with n <= 16 live keys (the causal diagonal's last) takes its first strip only and zeros the
+ * rest of S: half the work. */
+static void tile(const float* Qi, const float* Pn, int64_t D, int64_t n, float* S) {
   epilogue e = {0};
   e.off1 = 16;
   e.mask = (__mmask16)0xFFFF;
   if (n > 16) {
-    panel_12(Qb, D, 0, D, Pn, Pn + D * 16, 0, S, KP, &e, Pn + AHEAD * 16, Pn + (D + AHEAD) * 16, 1);
+    paneli_12(Qi, D, 0, D, Pn, Pn + D * 16, 0, S, KP, &e, Pn + AHEAD * 16, Pn + (D + AHEAD) * 16, 1);
     return;
   }
-  panel_12(Qb, D, 0, D, Pn, NULL, 0, S, KP, &e, Pn + AHEAD * 16, NULL, 1);
+  paneli_12(Qi, D, 0, D, Pn, NULL, 0, S, KP, &e, Pn + AHEAD * 16, NULL, 1);
   for (int r = 0; r < QB; r++) _mm512_storeu_ps(S + r * KP + 16, _mm512_setzero_ps());
 }
 
@@ -791,7 +792,7 @@ void rl2_attn_fwd(const float* q, int64_t q_sh, int64_t q_st, const float* k, co
   int64_t n_seq = n_items / H, G = H / KH;
 #pragma omp parallel num_threads(threads)
   {
-    float Qb[QB * 128], Ob[QB * 128], S[QB * KP];
+    float Qb[QB * 128], Qi[QB * 128], Ob[QB * 128], S[QB * KP];
     float* panels = scratch + (int64_t)omp_get_thread_num() * cap;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t it = 0; it < n_items; it++) {
@@ -805,6 +806,7 @@ void rl2_attn_fwd(const float* q, int64_t q_sh, int64_t q_st, const float* k, co
       for (int64_t i0 = 0; i0 < L; i0 += QB) {
         int64_t R = L - i0 < QB ? L - i0 : QB;
         load_rows(q + h * q_sh + s * q_st, q_st, i0, R, D, scale, Qb);
+        interleave_rows(Qb, D, QB, D, Qi);
         /* lane r: row r's running max and sum of exponentials (rows past R: padding) */
         __m512 mv = _mm512_set1_ps(-INFINITY), lv = _mm512_setzero_ps();
         __mmask16 live = tail16(R);
@@ -812,7 +814,7 @@ void rl2_attn_fwd(const float* q, int64_t q_sh, int64_t q_st, const float* k, co
         int64_t last = off + i0 + R - 1; /* the block's last row: keys up to it */
         for (int64_t p = 0; p * KP <= last; p++) {
           int64_t j0 = p * KP, n = last + 1 - j0 < KP ? last + 1 - j0 : KP;
-          tile(Qb, panels + p * KP * D, D, n, S);
+          tile(Qi, panels + p * KP * D, D, n, S);
           __m512 part[16];
           for (int64_t r = 0; r < 16; r++) {
             if (r >= R) { part[r] = _mm512_set1_ps(-INFINITY); continue; }
@@ -884,6 +886,7 @@ void rl2_attn_bwd(const float* q, int64_t q_sh, int64_t q_st, const float* k, co
 #pragma omp parallel num_threads(threads)
   {
     float Qb[QB * 128], dOb[QB * 128], dQb[QB * 128], S[QB * KP], dP[QB * KP], delta[QB], ls[QB];
+    float Qi[QB * 128], dOi[QB * 128]; /* Qb and dOb interleaved, as tile reads them */
     float* kpan = scratch + (int64_t)omp_get_thread_num() * 4 * cap;
     float *vpan = kpan + cap, *dK = kpan + 2 * cap, *dV = kpan + 3 * cap;
 #pragma omp for schedule(dynamic, 1)
@@ -907,6 +910,8 @@ void rl2_attn_bwd(const float* q, int64_t q_sh, int64_t q_st, const float* k, co
             dOb[r * D + x] = r < R ? dout[((s + i0 + r) * H + h) * D + x] : 0.0f;
             dQb[r * D + x] = 0.0f;
           }
+        interleave_rows(Qb, D, QB, D, Qi);
+        interleave_rows(dOb, D, QB, D, dOi);
         for (int64_t r = 0; r < R; r++) {
           const float* o = out + ((s + i0 + r) * H + h) * D;
           __m512 acc = _mm512_setzero_ps();
@@ -918,8 +923,8 @@ void rl2_attn_bwd(const float* q, int64_t q_sh, int64_t q_st, const float* k, co
         int64_t last = off + i0 + R - 1;
         for (int64_t p = 0; p * KP <= last; p++) {
           int64_t j0 = p * KP, n = last + 1 - j0 < KP ? last + 1 - j0 : KP;
-          tile(Qb, kpan + p * KP * D, D, n, S);
-          tile(dOb, vpan + p * KP * D, D, n, dP);
+          tile(Qi, kpan + p * KP * D, D, n, S);
+          tile(dOi, vpan + p * KP * D, D, n, dP);
           for (int64_t r = 0; r < QB; r++) {
             float *sr = S + r * KP, *dr = dP + r * KP;
             int64_t lim = r < R ? off + i0 + r - j0 + 1 : 0;

@@ -693,8 +693,10 @@ def test_packing_in_c_is_the_torch_layout_bit_for_bit(sizes, k):
     stacked = torch.cat(ws)
     want = {None: small_gemm.pack(stacked)}
     n = stacked.shape[0]
-    if k % 32 == 0 and n >= 64:
-        order = small_gemm.rope_order(n, n // 64 - 1 if n >= 128 else 1, 32)
+    if k % 32 == 0 and n >= 128 and all(s % 16 == 0 for s in sizes[:-1]):
+        order = small_gemm.rope_order(n, n // 128, 64)  # head_dim 64: rows really move
+        assert not torch.equal(order, torch.arange(n))
+        assert small_gemm.strip_sources(ws, order) is not None  # the C copy, not the fallback
         want[order] = small_gemm.pack(stacked[order])
     for order, layout in want.items():
         _same_bits_with_1_2_3_threads(lambda: small_gemm.pack_many(ws, order=order))

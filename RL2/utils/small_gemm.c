@@ -221,7 +221,8 @@ void rl2_small_gemm(const float* x, int64_t M, int64_t K, const float* w, int64_
   int64_t strips = (N + 15) / 16, panels = glu ? strips : (strips + 1) / 2;
   int64_t per_head = head_dim / 32, rope_panels = rope_heads * per_head;
   /* each pass's rows interleaved (PANELI): pass b's rows 12b.. at xp + 12 b K. The calling
-   * thread keeps the buffer (a decode step makes ~30 calls: no allocation each time) */
+   * thread keeps the buffer (a decode step makes ~30 calls: no allocation each time), never
+   * freed: at most MAX_ROWS x K floats per thread that calls (small_gemm.py's MAX_ROWS) */
   static __thread float* xp;
   static __thread int64_t xp_cap;
   if (M > 1 && M * K > xp_cap) {

@@ -235,6 +235,8 @@ def strip_sources(weights: list, order: torch.Tensor | None = None,
     sizes = torch.tensor([w.shape[0] for w in weights])
     ends = sizes.cumsum(0)
     rows = order.to(torch.int64)
+    if rows.dim() != 1 or (rows < 0).any() or (rows >= ends[-1]).any():
+        return None
     blocks = F.pad(rows, (0, -rows.numel() % 16), value=-1).view(-1, 16)
     count = (blocks >= 0).sum(1)
     lane = torch.arange(16)
@@ -262,7 +264,7 @@ def pack_many(weights: list, order: torch.Tensor | None = None, glu: bool = Fals
         return pack(stacked if order is None else stacked[order])
     addresses, rows = src
     k = ws[0].shape[1]
-    out = torch.empty(addresses.numel(), k, 16)
+    out = torch.empty(addresses.numel(), k, 16, dtype=torch.float32, device="cpu")
     lib.rl2_pack_strips(addresses.data_ptr(), rows.data_ptr(), addresses.numel(), k, k,
                         out.data_ptr(), torch.get_num_threads())
     return out

@@ -243,7 +243,7 @@ def strip_sources(weights: list, order: torch.Tensor | None = None,
     first = blocks[:, 0].contiguous()
     want = torch.where(lane < count[:, None], first[:, None] + lane, -1)
     which = torch.searchsorted(ends, first, right=True)
-    if (not torch.equal(blocks, want) or (first < 0).any()
+    if (not torch.equal(blocks, want)
             or not torch.equal(torch.searchsorted(ends, first + count - 1, right=True), which)):
         return None
     starts = ends - sizes

@@ -307,7 +307,7 @@ def test_attention_refuses_what_the_kernel_cannot_take():
 
 
 @needs_kernel
-@pytest.mark.parametrize("sp", [1, 2])
+@pytest.mark.parametrize("sp", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_sft_with_head_dim_64_matches_sdpa_attention(assets, tmp_path, sp):
     """The conftest model's heads are 8 wide (SDPA); with 64-wide heads the run's attention goes
     through the kernel (with sp=2: each rank's own ring block), and its losses and gradient

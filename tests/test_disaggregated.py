@@ -40,6 +40,7 @@ def test_disaggregated_equals_colocated(assets, env_path, servers, colocated, np
 
 
 
+@pytest.mark.slow  # the fast set keeps test_disaggregated_equals_colocated
 def test_async_k1_on_servers_equals_colocated_async(assets, env_path, servers, tmp_path):
     """max_staleness=1, inflight_update=none: the producer loads version max(0, t - 1) into the
     servers between batches, so the run equals the colocated asynchronous one exactly."""

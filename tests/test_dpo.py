@@ -173,6 +173,7 @@ def test_each_rejected_side_continues_its_chosen_sides_prompt(assets):
         assert chosen["position_ids"].tolist() == list(range(len(chosen["input_ids"])))
 
 
+@pytest.mark.slow  # two more serial runs; fast set: test_cpu_ops' DPO shared-prompt test
 def test_shared_prompt_equals_unshared(serial, serial_unshared):
     """actor.share_prompt (auto: on in the CPU serial run) computes each pair's prompt once; off,
     every metric agrees. Not to 1e-9: HF's RMSNorm computes in float32 even in a float64 model

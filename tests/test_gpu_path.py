@@ -220,7 +220,7 @@ def _checkpoint(path):
     return model.state_dict(), dict(model.named_buffers())
 
 
-@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_meta_load_reads_the_checkpoint_once(assets, tmp_path, tp):
     """Values equal the checkpoint (parameters and non-persistent buffers such as rotary
     inv_freq, on every rank); with tp=1, rank 1 never holds a full model: its peak host memory

@@ -192,6 +192,7 @@ def _units(rank, world, dtype):
     return len(fsdp_units(model)), any(isinstance(p, DTensor) for p in model.parameters())
 
 
+@pytest.mark.slow  # three launches
 def test_one_cpu_rank_in_its_compute_dtype_skips_fsdp():
     """FSDP on a one-rank CPU mesh only copies (every parameter before the forward, every
     gradient twice after the backward): such a model stays plain. A second rank, or a compute
@@ -220,6 +221,7 @@ def test_frozen_model_kept_gathered_is_gathered_once():
     assert run_dist(_frozen_gathers, 2, False) == [3, 3]
 
 
+@pytest.mark.slow  # two launches; the shm == gloo gradients test stays fast
 def test_weights_kept_after_forward_save_the_backward_all_gathers():
     """reshard_after_forward=False (actor.reshard_after_forward): the same gradients with only
     the forward's all-gathers (3 FSDP units: 2 layers + the root, each gathered again in

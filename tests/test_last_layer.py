@@ -210,7 +210,7 @@ def test_resolve_and_unknown_models():
     assert not last_layer.install(gpt2)
 
 
-@pytest.mark.parametrize("trainer,nproc", [("sft", 1), ("dpo", 1),
+@pytest.mark.parametrize("trainer,nproc", [("sft", 1), pytest.param("dpo", 1, marks=pytest.mark.slow),
                                            pytest.param("dpo", 2, marks=pytest.mark.slow),
                                            pytest.param("sft", 2, marks=pytest.mark.slow)])
 def test_runs_with_the_pruned_layer_match_runs_without(assets, tmp_path, trainer, nproc):

@@ -310,6 +310,7 @@ def test_sft_parallel_equals_serial(assets, serial, tmp_path, name, dtype, rtol)
     assert losses[-1] < losses[0]
 
 
+@pytest.mark.slow  # the fast set keeps LoRA's SFT parallel == serial
 @pytest.mark.parametrize("name,dtype,rtol", cases(DPO_BUDGETS))
 def test_dpo_parallel_equals_serial(assets, serial, tmp_path, name, dtype, rtol):
     nproc, extra = layout(name, DPO_BUDGETS[name])

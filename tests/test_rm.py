@@ -98,6 +98,7 @@ def test_each_rejected_side_continues_its_chosen_sides_prompt(assets):
         assert chosen["position_ids"].tolist() == list(range(len(c)))
 
 
+@pytest.mark.slow  # two more serial runs; shared prompts stay in the fast set via test_share_prompt
 def test_shared_prompt_equals_unshared(serial, serial_unshared):
     """actor.share_prompt (auto: on in the CPU serial run) computes each pair's prompt once, in
     training and in evaluation; off, every metric agrees (float64 to 1e-7: HF's RMSNorm computes

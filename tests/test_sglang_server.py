@@ -223,6 +223,7 @@ def test_disaggregated_on_sglang_servers_equals_colocated(assets, env_path, fake
             assert json.load(r)["weight_version"] == "3"
 
 
+@pytest.mark.slow  # the fast set keeps the disaggregated-on-SGLang run
 def test_inflight_updates_pause_sglang_servers_within_the_staleness_bound(assets, fakes, tmp_path):
     """max_staleness=1, inflight_update=pause on SGLang servers: /pause_generation (abort) cuts
     running requests, the push lands mid-batch, /continue_generation resumes (the assertions of

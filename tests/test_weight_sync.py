@@ -10,9 +10,16 @@ from tests.run_utils import layout as layout_of
 
 TEMPERATURE = 0.7
 NAMES = ["serial", "fsdp2", "tp2", "sp2", "ddp2xtp2"]  # of tests/run_utils.LAYOUTS
-FAST = {"fsdp2", "tp2"}  # the fast subset; every layout in the full suite
-LAYOUTS = pytest.mark.parametrize("world,layout", [
-    pytest.param(*layout_of(name), marks=() if name in FAST else pytest.mark.slow) for name in NAMES], ids=NAMES)
+
+
+def layouts(fast: set[str]):
+    """Every layout in the full suite; those in `fast` also in the fast subset."""
+    return pytest.mark.parametrize("world,layout", [
+        pytest.param(*layout_of(name), marks=() if name in fast else pytest.mark.slow) for name in NAMES],
+        ids=NAMES)
+
+
+LAYOUTS = layouts({"fsdp2", "tp2"})
 
 
 def _sync_and_compare(rank, world, model_dir, data_path, layout):
@@ -143,7 +150,7 @@ def _transports_agree(rank, world, model_dir, data_path, layout):
     return report
 
 
-@LAYOUTS
+@layouts({"fsdp2"})  # tp2's shards reach the engine in the fast set's log-prob test
 def test_weight_sync_transports_agree(assets, world, layout):
     results = run_dist(_transports_agree, world, assets["model"],
                        f"{assets['data']}/sft_train.jsonl", layout)

@@ -4,6 +4,7 @@ in $RL2_FLASH_CACHE, default ~/.cache/rl2/flash-sources; parsed with `ast`, no i
 the exported name, the positional parameters RL2 fills by position, the keywords it passes, and
 the documented layout. Skips (saying why) only when a download fails (offline)."""
 import ast
+import os
 import tarfile
 from pathlib import Path
 
@@ -106,6 +107,37 @@ def test_ring_flash_attn_zigzag_varlen_func():
     assert "group" in params(fn)
     # Zig-zag shards: each local sequence is two halves (cu_seqlens // 2), as RL2 splits them.
     assert "half_cu_seqlens = cu_seqlens // 2" in path.read_text()
+
+
+# What ring-flash-attn 0.1.8 imports from flash_attn (its *_flash_attn*.py modules): names only,
+# since importing the package runs none of them; the real flash_attn needs CUDA to build.
+FLASH_STUB = "\n".join(f"def {name}(*args, **kwargs): raise RuntimeError('stub')" for name in (
+    "_flash_attn_forward", "_flash_attn_backward", "_flash_attn_varlen_forward",
+    "_flash_attn_varlen_backward"))
+
+
+def test_ring_flash_attn_imports_with_this_transformers(tmp_path):
+    """ring-flash-attn 0.1.8's package import goes through its HF adapter, which imports a name
+    transformers 5 no longer has where it looks: RL2 supplies it, so `_ring_flash_varlen`
+    returns the real function (without it: None and the pure-torch ring on GPU)."""
+    import subprocess
+    import sys
+
+    src = download("ring-flash-attn==0.1.8", CACHE)
+    stub = tmp_path / "flash_attn"
+    stub.mkdir()
+    (stub / "__init__.py").write_text("")
+    (stub / "flash_attn_interface.py").write_text(FLASH_STUB + "\n")
+    code = ("from RL2.parallel.ring_attention import _ring_flash_varlen\n"
+            "fn = _ring_flash_varlen()\n"
+            "import ring_flash_attn\n"
+            "assert fn is ring_flash_attn.zigzag_ring_flash_attn_varlen_func, fn\n"
+            "print(ring_flash_attn.__file__)\n")
+    path = os.pathsep.join([str(tmp_path), str(src.parent), str(ROOT)])
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": path}, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip().startswith(str(src))  # the downloaded release, not another copy
 
 
 @pytest.mark.parametrize("module", ["attention.py", "ring_attention.py"])

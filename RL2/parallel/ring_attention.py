@@ -42,11 +42,23 @@ logger = logging.getLogger(__name__)
 
 @lru_cache(maxsize=None)
 def _ring_flash_varlen():
-    """ring-flash-attn's zigzag varlen function, or None when it (or flash_attn) is missing."""
+    """ring-flash-attn's zigzag varlen function, or None when it (or flash_attn) does not import."""
     try:
+        import transformers.modeling_flash_attention_utils as hf_flash
+
+        if not hasattr(hf_flash, "is_flash_attn_greater_or_equal_2_10"):
+            # ring-flash-attn 0.1.8's __init__ imports its HF adapter, which imports this name
+            # from here; transformers 5 moved it to transformers.utils (deprecated), so without
+            # it the whole package fails to import (its fix, zhuzilin/ring-flash-attention#88,
+            # is unreleased)
+            from transformers.utils import is_flash_attn_greater_or_equal
+
+            hf_flash.is_flash_attn_greater_or_equal_2_10 = (
+                lambda: is_flash_attn_greater_or_equal("2.1.0"))
         from ring_flash_attn import zigzag_ring_flash_attn_varlen_func
-    except ImportError:
-        logger.warning("ring_flash_attn is not installed: ring attention on GPU runs in pure torch")
+    except ImportError as e:
+        logger.warning("ring_flash_attn does not import (%s): ring attention on GPU runs in pure "
+                       "torch (fp32 score blocks: slower, more memory)", e)
         return None
     return zigzag_ring_flash_attn_varlen_func
 

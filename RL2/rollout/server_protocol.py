@@ -15,8 +15,10 @@ from RL2.rollout.engine import SamplingParams
 SAMPLING_KEYS = {"temperature", "top_p", "top_k", "max_tokens", "stop", "stop_token_ids", "seed",
                  "logprobs", "n", "include_stop_str_in_output", "skip_special_tokens",
                  "ignore_eos", "detokenize"}
+# cache_salt: vLLM keys its prefix cache by it (RL2's vLLM clients send the weight version);
+# accepted and not needed here: the torch engine drops its cached KV at every weight update
 GENERATE_KEYS = {"request_id", "token_ids", "sampling_params", "model", "output_mode", "stream",
-                 "return_token_ids", "priority"}
+                 "return_token_ids", "priority", "cache_salt"}
 
 
 def http_call(url: str, method: str, path: str, body=None, timeout: float = 600.0, text: bool = False,

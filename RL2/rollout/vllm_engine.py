@@ -76,6 +76,14 @@ class _VLLMBase(Engine):
         self.bucket_bytes = int(bucket_mb * 2**20)
         self.timeout_s = timeout_s
         self.version = 0
+        # vLLM's prefix cache keys a block by its tokens (and adapter), never by the weights, and
+        # no weight update clears it (vLLM 0.32: v1/core/kv_cache_utils.py hashes the request's
+        # cache_salt, LoRA and multimodal keys only; finish_weight_update resets nothing), so a
+        # prompt block computed before a sync would be reused after it. Every request carries
+        # the weights it is for as its cache salt; the random part keeps a server's blocks from
+        # another run (or another engine) apart.
+        self._salt_base = f"rl2-{uuid.uuid4().hex[:16]}-w"
+        self.cache_salt = self._salt_base + "0"
         self._sender = None
         self._released = False
         self.ignore_eos = False
@@ -141,6 +149,7 @@ class _VLLMBase(Engine):
 
     async def finish_update(self, version: str) -> None:
         await self._control("finish_weight_update", version)
+        self.cache_salt = self._salt_base + str(version)
 
     async def _update(self, named_tensors) -> None:
         await self.start_update()
@@ -237,7 +246,8 @@ class VLLMEngine(_VLLMBase):
             from vllm.lora.request import LoRARequest
             lora = LoRARequest(*self._lora)
         final = None
-        async for out in self.llm.generate({"prompt_token_ids": prompt}, VSamplingParams(**sampling),
+        async for out in self.llm.generate({"prompt_token_ids": prompt, "cache_salt": self.cache_salt},
+                                           VSamplingParams(**sampling),
                                            request_id=uuid.uuid4().hex, lora_request=lora):
             final = out
         c = final.outputs[0]

@@ -53,7 +53,8 @@ class VLLMServerEngine(_VLLMBase):
         return http_call(self.url, method, path, body, timeout or self.timeout_s, text, "vLLM server")
 
     async def _generate_one(self, prompt: list[int], sampling: dict) -> GenerationOutput:
-        body = {"token_ids": prompt, "sampling_params": sampling, "output_mode": "tokens"}
+        body = {"token_ids": prompt, "sampling_params": sampling, "output_mode": "tokens",
+                "cache_salt": self.cache_salt}  # see _VLLMBase._setup
         if self._lora is not None:
             body["model"] = self._lora[0]  # the served LoRA adapter's name
         out = await asyncio.get_running_loop().run_in_executor(

@@ -19,11 +19,15 @@ from tests.vllm.vllm_utils import hf_logps, prompt_ids
 
 pytestmark = pytest.mark.vllm
 MAX_LEN = 128
+BLOCK = 32
 
 
 @pytest.fixture(scope="module")
 def engine(vllm_model, assets):
-    eng = make_engine("vllm", vllm_model, assets["tokenizer"], max_model_len=MAX_LEN, kv_cache_mb=64)
+    # 32-token KV blocks (vLLM's CPU default is 128): a prompt that fits the context fills whole
+    # blocks, which vLLM's prefix cache keeps and reuses
+    eng = make_engine("vllm", vllm_model, assets["tokenizer"], max_model_len=MAX_LEN, kv_cache_mb=64,
+                      block_size=BLOCK)
     yield eng
     eng.shutdown()
 
@@ -82,6 +86,28 @@ def test_weight_sync_then_engine_logprobs_equal_the_trainer_model(engine, vllm_m
         assert [o.token_ids for o in again] == [o.token_ids for o in outs]
     # back to the module's model for the other tests
     engine.update_weights(AutoModelForCausalLM.from_pretrained(vllm_model).state_dict().items())
+
+
+def test_a_prompt_cached_before_a_weight_sync_runs_on_the_new_weights_after_it(engine, vllm_model, assets):
+    """vLLM's prefix cache keeps a prompt's full KV blocks and reuses them for a later request
+    with the same tokens; its block hashes know nothing of weights, and a weight update does not
+    clear it. The engine salts every request's cache with the weight version, so a prompt of
+    three blocks, run before a sync, is computed afresh after it: its log-probs are the new
+    model's (reused blocks would give the old model's context)."""
+    tok = assets["tokenizer"]
+    prompt = (sum(prompt_ids(tok), []) * 8)[:3 * BLOCK + 5]
+    params = SamplingParams(temperature=0.0, max_new_tokens=8)
+    model = AutoModelForCausalLM.from_pretrained(vllm_model, dtype=torch.float32)
+    g = torch.Generator().manual_seed(3)
+    for step in range(2):  # the second sync's weights differ from the first's
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn(p.shape, generator=g) * 0.1)
+        engine.update_weights(model.state_dict().items())
+        for _ in range(2):  # the second request finds the first one's blocks (same weights)
+            ((out,),) = run(engine, engine.generate(prompt, params))
+            torch.testing.assert_close(torch.tensor(out.logprobs, dtype=torch.float64),
+                                       hf_logps(model, prompt, out.token_ids, 1.0), atol=1e-4, rtol=0)
 
 
 def test_many_seeded_requests_at_once(engine, assets):

@@ -76,6 +76,31 @@ def test_client_generates_and_pushes_weights_like_the_embedded_engine(assets, fa
         loop.close()
 
 
+def test_a_weight_push_reaches_a_paused_server_past_more_waiting_requests_than_threads(assets, fakes):
+    """A paused SGLang server holds new /generate calls until /continue_generation (tm:938):
+    with more of them waiting than the client's generate threads (64), the weight push and
+    the version still go through (their own threads), then the resumed requests finish."""
+    client = client_for(fakes[0][0])
+    try:
+        client.pause(10)
+        params = SamplingParams(temperature=1.0, max_new_tokens=2, seed=1)
+        prompt = prompts(assets["tokenizer"])[0]
+
+        async def go():
+            waiting = [asyncio.ensure_future(client.generate(prompt, params)) for _ in range(70)]
+            await asyncio.sleep(0.5)  # every generate thread is now held by the paused server
+            await asyncio.wait_for(client._update(iter(perturbed(assets["model"])), "7"), 20)
+            assert not any(w.done() for w in waiting)
+            await asyncio.to_thread(client.resume)
+            return await asyncio.wait_for(asyncio.gather(*waiting), 30)
+
+        outs = client.loop.run_until_complete(go())
+        assert len(outs) == 70 and all(o[0].finish_reason in ("stop", "length") for o in outs)
+        assert client.weight_version() == "7"
+    finally:
+        client.shutdown()
+
+
 def post(address, path, body):
     return request(address, "POST", path, body)
 

@@ -125,7 +125,11 @@ class SGLangServerEngine(Engine):
         self._retired = []  # dropped groups are kept: a gloo group's destructor waits for its work
         self.paused = False
         self._lora = None  # (name, id, path) of the adapter every request names; None = the base
+        # /generate calls wait on their own threads; the weight and control calls get others: a
+        # paused server holds new generates until /continue_generation (tm:938), so with more
+        # requests than generate threads, control calls queued behind them would never run
         self._pool = concurrent.futures.ThreadPoolExecutor(64, thread_name_prefix="rl2-sglang-http")
+        self._control_pool = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="rl2-sglang-ctl")
         self.loop = asyncio.new_event_loop()
         self._wait_until_up(connect_timeout_s)
         info = self._http("GET", "/server_info")
@@ -147,8 +151,9 @@ class SGLangServerEngine(Engine):
     def _http(self, method: str, path: str, body=None, timeout: float | None = None):
         return http_call(self.url, method, path, body, timeout or self.timeout_s, who="SGLang server")
 
-    async def _post(self, path: str, body=None):
-        return await asyncio.get_running_loop().run_in_executor(self._pool, self._http, "POST", path, body)
+    async def _post(self, path: str, body=None, pool=None):
+        return await asyncio.get_running_loop().run_in_executor(
+            pool or self._control_pool, self._http, "POST", path, body)
 
     # ------------------------------------------------------------------ generation
     def _sampling(self, prompt_len: int, params: SamplingParams, seed: int | None) -> dict:
@@ -169,7 +174,7 @@ class SGLangServerEngine(Engine):
         body = {"input_ids": prompt, "sampling_params": sampling, "return_logprob": True}
         if self._lora is not None:
             body["lora_path"] = self._lora[0]  # the loaded adapter's name (lora_registry.py)
-        out = await self._post("/generate", body)
+        out = await self._post("/generate", body, self._pool)
         meta = out["meta_info"]
         entries = meta.get("output_token_logprobs") or []
         return GenerationOutput([int(e[1]) for e in entries], [float(e[0]) for e in entries], _finish(meta))
@@ -279,6 +284,7 @@ class SGLangServerEngine(Engine):
             self._retired.append(self.group)
         self.group, self._lora = None, None
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._control_pool.shutdown(wait=False, cancel_futures=True)
         if self.adapters is not None:
             self.adapters.close()
         close_loop(self.loop)

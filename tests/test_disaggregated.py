@@ -41,6 +41,18 @@ def test_disaggregated_equals_colocated(assets, env_path, servers, colocated, np
 
 
 @pytest.mark.slow  # the fast set keeps test_disaggregated_equals_colocated
+def test_one_vllm_server_url_is_driven_by_rank_0_alone(assets, env_path, servers, colocated, tmp_path):
+    """`actor.rollout.vllm.server_url` (one server, reached with the vLLM client) on 2 ranks: as
+    with engine servers, rank 0 is its one client and runs every weight update (a client per
+    rank would each open its own transfer group and update on the same server); the run
+    equals the colocated one."""
+    extra = [a for a in args(assets, env_path) if a != "actor.rollout.engine=torch"]
+    run_trainer("ppo", 2, [*extra, "actor.rollout.engine=vllm", f"actor.rollout.vllm.server_url=http://{servers[0]}",
+                           "actor.rollout.vllm.timeout_s=60"], tmp_path)
+    assert_same_run(rows(tmp_path), colocated(2))
+
+
+@pytest.mark.slow
 def test_async_k1_on_servers_equals_colocated_async(assets, env_path, servers, tmp_path):
     """max_staleness=1, inflight_update=none: the producer loads version max(0, t - 1) into the
     servers between batches, so the run equals the colocated asynchronous one exactly."""
@@ -182,6 +194,54 @@ def test_a_dropped_vllm_server_frees_its_nccl_communicator():
     assert (client._sender, client._lora, sender.group, communicator.destroyed) == (None, None, None, 1)
     sender.close()
     assert communicator.destroyed == 1
+
+
+def test_a_server_is_forgotten_when_it_is_dropped():
+    """Dropping a server releases its weight-transfer group at once (`forget`: vLLM's NCCL
+    communicator destroyed, SGLang's NCCL group aborted), not at the run's end: a broadcast
+    stuck on a dead peer would otherwise hold the pushes to the servers still alive. Once per
+    server, whatever drops it again; a failing release still drops it."""
+    from RL2.rollout.remote import RemotePool, _Server
+
+    class Client:
+        def __init__(self, url, fails=False):
+            self.url, self.fails, self.forgotten = url, fails, 0
+
+        def forget(self):
+            self.forgotten += 1
+            if self.fails:
+                raise RuntimeError("communicator already gone")
+
+    pool = object.__new__(RemotePool)  # the bookkeeping only: no servers to reach
+    pool.servers = [_Server(i, Client(f"http://h:{i}", fails=i == 2)) for i in range(3)]
+    pool.counts = {"servers_lost": 0}
+    pool._drop(pool.servers[0], "weight sync failed: peer gone")
+    pool._drop(pool.servers[0], "health probe failed")
+    pool._drop(pool.servers[2], "weight sync failed")
+    assert [s.client.forgotten for s in pool.servers] == [1, 0, 1]
+    assert [s.error is not None for s in pool.servers] == [True, False, True]
+    assert pool.counts["servers_lost"] == 2
+
+
+def test_sglang_nccl_group_is_aborted_when_forgotten():
+    """SGLang's side of a push is a ProcessGroupNCCL broadcast: forgetting the server aborts
+    it (torch 2.13 ProcessGroupNCCL.abort); a gloo group is only let go (its broadcast ends at
+    its timeout)."""
+    from RL2.rollout.sglang_server import SGLangServerEngine, UpdateGroup
+
+    class Group:
+        aborted = 0
+
+        def abort(self):
+            self.aborted += 1
+
+    for backend, aborts in (("nccl", 1), ("gloo", 0)):
+        group = object.__new__(UpdateGroup)  # no rendezvous: the teardown only
+        group.backend, group.group = backend, Group()
+        client = object.__new__(SGLangServerEngine)
+        client.group, client._lora, client._retired = group, ("a", 1, "p"), []
+        client.forget()
+        assert (client.group, client._lora, client._retired, group.group.aborted) == (None, None, [group], aborts)
 
 
 def test_colocated_vllm_on_cuda_is_refused_at_start():

@@ -44,7 +44,7 @@ from RL2.rollout.weight_layout import make_buckets
 from RL2.rollout.sglang_server import SGLangServerEngine, server_problems, with_last
 from RL2.rollout.vllm_server import VLLMServerEngine
 from RL2.workers.lora import AdapterVersions
-from RL2.rollout.vllm_transfer import BACKEND, cast_copies, route_address
+from RL2.rollout.vllm_transfer import BACKEND, address_towards, cast_copies
 
 logger = logging.getLogger(__name__)
 
@@ -68,13 +68,6 @@ def normalize(address: str) -> str:
     """'host:port' or 'http://host:port' -> 'http://host:port'."""
     address = address.strip().rstrip("/")
     return address if "://" in address else f"http://{address}"
-
-
-def address_towards(url: str) -> str:
-    """This machine's IP address on the route to `url` (what the server must dial back to join
-    the weight-transfer group); no packet is sent."""
-    parts = urllib.parse.urlsplit(url)
-    return route_address(parts.hostname, parts.port or 80)
 
 
 SERVER_KINDS = ("auto", "vllm", "sglang")
@@ -164,6 +157,14 @@ class RemotePool(Engine):
         self.counts["servers_lost"] += 1
         logger.warning("rollout server %s dropped (%s); %d server(s) left", server.url, reason,
                        len(self.live()))
+        # its weight-transfer group goes now, not at shutdown: an NCCL broadcast to a dead peer
+        # never ends on its own, and until its communicator is aborted it holds the stream the
+        # pushes to the other servers queue on (vLLM 0.32 nccl_engine.py: the group "is unusable
+        # either way and the caller has to tear it down"); no goodbye calls at shutdown either
+        try:
+            server.client.forget()
+        except Exception as e:  # noqa: BLE001 - the server is dropped either way
+            logger.warning("rollout server %s: releasing its transfer group failed: %s", server.url, e)
 
     def _check_any(self) -> list[_Server]:
         live = self.live()
@@ -326,9 +327,7 @@ class RemotePool(Engine):
     def shutdown(self) -> None:
         self.closed = True
         for s in self.servers:
-            if s.error is not None:
-                s.client.forget()  # no goodbye to a dead server
-            s.client.shutdown()
+            s.client.shutdown()  # a dropped server's client was told to forget it: no goodbyes
         if self._monitor is not None:
             self._monitor.cancel()
             loop = self._monitor.get_loop()

@@ -145,9 +145,13 @@ class Rollout:
         self.n_groups = world // cfg.tp_size
         self.group = rank // cfg.tp_size
         self.is_leader = rank % cfg.tp_size == 0
-        # disaggregated: engine servers elsewhere; rank 0 is their one client (rollout/remote.py)
+        # disaggregated: engine servers elsewhere; rank 0 is their one client (rollout/remote.py).
+        # So for one `vllm serve` (vllm.server_url): a client per rank would each run its own
+        # weight updates on it (vLLM 0.32's worker refuses a second start_weight_update while
+        # one is active, and a second transfer group replaces the first)
         self.disaggregated = cfg.get("placement", "colocated") == "disaggregated"
-        if self.disaggregated:
+        served = self.kind == "vllm" and bool((cfg.get("vllm") or {}).get("server_url"))
+        if self.disaggregated or served:
             self.n_groups, self.group, self.is_leader = 1, 0, rank == 0
         self.loop = asyncio.new_event_loop()  # one loop for the whole run (SGLang binds to it)
         # Ranks without an engine wait here for the leaders' rollouts, which can take longer than

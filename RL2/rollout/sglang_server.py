@@ -82,6 +82,13 @@ class UpdateGroup:
         if device == "cuda":  # NOT RUN
             torch.cuda.current_stream().synchronize()
 
+    def abort(self) -> None:
+        """NCCL (NOT RUN): abort the communicator, which ends a broadcast stuck on a peer that
+        refused or died (a server that answers a push without joining it: no session, an
+        unknown group after a restart); gloo's broadcast ends at its timeout by itself."""
+        if self.backend == "nccl" and self.group is not None:
+            self.group.abort()  # ProcessGroupNCCL.abort (torch 2.13)
+
 
 def update_request(bucket, group_name: str, last: bool) -> dict:
     """The body of /update_weights_from_distributed for one bucket (io_struct.py
@@ -237,7 +244,10 @@ class SGLangServerEngine(Engine):
         close_loop(self.loop)
 
     def forget(self) -> None:
-        """The server is gone: no goodbye calls at shutdown."""
+        """The server is gone: its group aborted (NCCL), no goodbye calls at shutdown."""
+        if self.group is not None:
+            self.group.abort()
+            self._retired.append(self.group)
         self.group, self._lora = None, None
 
     # ------------------------------------------------------------------ Engine (standalone)

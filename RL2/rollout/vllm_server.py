@@ -13,7 +13,7 @@ import logging
 from RL2.rollout.engine import GenerationOutput
 from RL2.rollout.server_protocol import http_call, wait_until_up
 from RL2.rollout.vllm_engine import _VLLMBase, _finish
-from RL2.rollout.vllm_transfer import BACKEND, GlooSender, NcclSender
+from RL2.rollout.vllm_transfer import BACKEND, GlooSender, NcclSender, address_towards
 from RL2.workers.lora import AdapterVersions
 
 logger = logging.getLogger(__name__)
@@ -26,10 +26,11 @@ class VLLMServerEngine(_VLLMBase):
 
     def __init__(self, url: str, tokenizer=None, *, max_model_len: int = 2048,
                  dtype: str = "float32", bucket_mb: float = 512, timeout_s: float = 600.0,
-                 connect_timeout_s: float = 30.0, transfer_host: str = "127.0.0.1",
+                 connect_timeout_s: float = 30.0, transfer_host: str | None = None,
                  transfer_backend: str = BACKEND, lora_rank: int = 0, lora_dir: str | None = None, **_):
         """`connect_timeout_s`: how long to wait for the server's /health at start.
-        `transfer_host`: this machine's address as the server sees it (weight-sync group).
+        `transfer_host`: this machine's address as the server sees it (weight-sync group);
+        None: the address on this machine's route to `url`.
         `transfer_backend`: the server's `--weight-transfer-config` backend: `rl2_gloo` (CPU
         tensors; the server needs RL2's plugin) or vLLM's `nccl` (CUDA trainer and server;
         the trainer then needs vLLM installed for its rendezvous helper; NOT RUN).
@@ -40,7 +41,8 @@ class VLLMServerEngine(_VLLMBase):
         if transfer_backend not in (BACKEND, "nccl"):
             raise ValueError(f"transfer_backend={transfer_backend!r}: use {BACKEND} or nccl")
         self._setup(tokenizer, max_model_len, dtype, bucket_mb, timeout_s)
-        self.url, self.transfer_host = url.rstrip("/"), transfer_host
+        self.url = url.rstrip("/")
+        self.transfer_host = transfer_host or address_towards(self.url)
         self.transfer_backend = transfer_backend
         if lora_rank:
             self.adapters = AdapterVersions(lora_dir)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+import urllib.parse
 
 import torch
 import torch.distributed as dist
@@ -71,6 +72,13 @@ def route_address(host: str, port: int = 80) -> str:
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         s.connect((host, port))
         return s.getsockname()[0]
+
+
+def address_towards(url: str) -> str:
+    """This machine's IP address on the route to `url` (what the server must dial back to join
+    the weight-transfer group); no packet is sent."""
+    parts = urllib.parse.urlsplit(url)
+    return route_address(parts.hostname, parts.port or 80)
 
 
 def open_group(host: str, port: int, rank: int, world_size: int, timeout_s: float, store=None,

@@ -68,6 +68,8 @@ class FakeSGLang(EngineServer):
         super().__init__(engine, args.model)
         self.args = args
         self.context_len = engine.max_model_len
+        # tp_worker.py: min(context_len - 1, KV capacity - 1) - 5 (the fake's KV pool is unbounded)
+        self.max_req_input_len = self.context_len - 1 - 5
         self.is_pause = False  # tm:2267: new requests wait at tm:938 while set
         self.session = False   # wu:80 _WeightUpdateSession
         self.groups = {}       # mwu:98 _model_update_group
@@ -90,6 +92,9 @@ class FakeSGLang(EngineServer):
             raise value_error(f"The input ({len(ids)} tokens) is longer than the model's context length ({self.context_len} tokens).")
         if len(ids) + sp.get("max_new_tokens", 128) > self.context_len:  # tm:1353
             raise value_error("Requested token count exceeds the model's maximum context length")
+        if len(ids) >= self.max_req_input_len:  # scheduler.py validate_input_length: aborted, 400
+            raise value_error(f"Input length ({len(ids)} tokens) exceeds the maximum allowed length "
+                              f"({self.max_req_input_len} tokens).")
         lora = body.get("lora_path")
         if lora is not None and lora not in self.loras:  # lora_registry.py acquire()
             raise value_error(f"The following requested LoRA adapters are not loaded: {lora}")
@@ -285,7 +290,8 @@ class FakeSGLang(EngineServer):
                 "enable_lora": a.enable_lora, "max_lora_rank": a.max_lora_rank,
                 "lora_target_modules": a.lora_target_modules,
                 "enable_deterministic_inference": a.enable_deterministic_inference,
-                "weight_version": "default", "version": "0.5.23-fake-rl2"}
+                "weight_version": "default", "version": "0.5.23-fake-rl2",
+                "max_req_input_len": self.max_req_input_len}  # scheduler.py get_init_info
 
 
 def lora_result(success: bool, error, loaded=None) -> dict:

@@ -114,6 +114,12 @@ def test_the_fake_refuses_what_sglang_0_5_23_refuses(assets, fakes):
     assert status == 400 and "unknown field `seed`" in out["error"]
     status, out = post(address, "/generate", {"input_ids": ids, "sampling_params": {"max_new_tokens": 10**6}})
     assert status == 400 and "maximum context length" in out["error"]["message"]
+    # a prompt of max_req_input_len tokens (the context less 6 here) is aborted by the scheduler
+    limit = request(address, "GET", "/server_info")[1]["max_req_input_len"]
+    status, out = post(address, "/generate", {"input_ids": (ids * limit)[:limit], "sampling_params": {"max_new_tokens": 1}})
+    assert status == 400 and "exceeds the maximum allowed length" in out["error"]["message"]
+    status, _ = post(address, "/generate", {"input_ids": (ids * limit)[:limit - 1], "sampling_params": {"max_new_tokens": 1}})
+    assert status == 200
     status, out = post(address, "/generate", {"input_ids": ids, "lora_path": "nope"})
     assert status == 400 and "not loaded" in out["error"]["message"]
     # weight updates: a session first, and a group joined before any receive
@@ -181,6 +187,17 @@ def test_adapter_syncs_load_a_new_name_and_unload_the_previous(assets, tmp_path)
     finally:
         client.shutdown()
         kill(proc)
+
+
+def test_requests_are_capped_at_what_the_server_admits():
+    """/server_info's context_length is only the launch flag (None unless set); the server
+    enforces max_req_input_len, which the client's max_model_len then never exceeds."""
+    from RL2.rollout.sglang_server import context_limit
+
+    assert context_limit({"context_length": None, "max_req_input_len": 100}, 256) == 100
+    assert context_limit({"context_length": 64, "max_req_input_len": 58}, 256) == 58
+    assert context_limit({"context_length": 4096, "max_req_input_len": 4090}, 256) == 256
+    assert context_limit({}, 256) == 256
 
 
 def test_start_up_refusals_name_the_server_flag():
@@ -315,6 +332,19 @@ def test_routes_and_fields_exist_in_sglang_0_5_23(src):
     meta = api.split("class GenerateMetaInfo(")[1].split("class ")[0]
     assert "finish_reason:" in meta and "output_token_logprobs:" in meta
     assert "[logprob, token_id, text]" in api
+
+
+def test_input_limits_in_sglang_0_5_23(src):
+    """What `context_limit` and the fake rely on: the scheduler publishes max_req_input_len in
+    /server_info, derives it from the context and the KV pool, and aborts prompts that long."""
+    assert '"max_req_input_len": self.max_req_input_len,' in (src / "srt/managers/scheduler.py").read_text()
+    worker = (src / "srt/managers/tp_worker.py").read_text()
+    assert "self.model_config.context_len - 1," in worker and "max_req_input_len = max_req_len - 5" in worker
+    utils = (src / "srt/managers/utils.py").read_text().split("def validate_input_length(")[1][:1500]
+    assert "if len(req.origin_input_ids) >= max_req_input_len:" in utils
+    assert "exceeds \"\n                f\"the maximum allowed length" in utils
+    info = (src / "srt/utils/common.py").read_text().split("def build_server_info(")[1][:600]
+    assert "result.update(scheduler_info)" in info
 
 
 def test_weight_update_rules_in_sglang_0_5_23(src):

@@ -90,6 +90,17 @@ class UpdateGroup:
             self.group.abort()  # ProcessGroupNCCL.abort (torch 2.13)
 
 
+def context_limit(info: dict, max_model_len: int) -> int:
+    """The tokens a request may hold on this server (prompt + new tokens), from its
+    /server_info. `context_length` is only the launch flag (None unless given); what the
+    server enforces is `max_req_input_len`, min(context - 1, KV pool - 1) - 5 (managers/
+    tp_worker.py): its scheduler aborts prompts that long or longer (scheduler.py
+    validate_input_length), and a request within it also stays within the context
+    (tokenizer_manager.py). Capped there, RL2 refuses or shortens a request itself."""
+    limits = [int(max_model_len)] + [int(info[k]) for k in ("context_length", "max_req_input_len") if info.get(k)]
+    return min(limits)
+
+
 def update_request(bucket, group_name: str, last: bool) -> dict:
     """The body of /update_weights_from_distributed for one bucket (io_struct.py
     UpdateWeightsFromDistributedReqInput); the radix cache is flushed after the last one."""
@@ -142,7 +153,7 @@ class SGLangServerEngine(Engine):
         info = self._http("GET", "/server_info")
         self.info = info
         self.n_workers = int(info.get("tp_size") or 1)
-        self.max_model_len = min(int(max_model_len), int(info.get("context_length") or max_model_len))
+        self.max_model_len = context_limit(info, max_model_len)
         problems = server_problems(info, lora_rank, lora_targets)
         if problems:
             raise RuntimeError(f"SGLang server {self.url} cannot serve this run: " + "; ".join(problems))

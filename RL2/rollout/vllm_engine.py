@@ -11,8 +11,9 @@ log-probs from vLLM's `logprobs_mode="processed_logprobs"` (the server must be s
 greedy, which equals RL2's convention when top_p = 1 and top_k is off (with top-p/top-k vLLM
 renormalises over the kept tokens first: those log-probs are >= the trainer's); weight sync via
 vLLM's weight-transfer API (start -> update per bucket -> finish with a version), backend
-`rl2_gloo` on CPU (RL2/rollout/vllm_transfer.py), vLLM's `nccl` on CUDA (colocated, and servers
-with `actor.rollout.transfer_backend`; NOT RUN: no GPU here).
+`rl2_gloo` on CPU (RL2/rollout/vllm_transfer.py), vLLM's `nccl` on CUDA (servers, through
+`actor.rollout.transfer_backend`; colocated vLLM on CUDA is refused at start-up; NOT RUN: no GPU
+here). Requests are salted with the weight version (vLLM's prefix cache; see `_setup`).
 """
 import asyncio
 import atexit

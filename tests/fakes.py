@@ -88,6 +88,7 @@ SGLANG_ENGINE_METHODS = {
     "resume_memory_occupation": {"tags"},
     "flush_cache": set(),
     "shutdown": set(),
+    "get_server_info": set(),
 }
 
 
@@ -113,6 +114,14 @@ class FakeSGLang:
         self.fail_update = None  # a message: the next update returns (False, message)
         self.loras: dict[str, dict] = {}  # name -> adapter tensors (the LoRA registry)
         self.weights_lost = False  # released without enable_weights_cpu_backup, not pushed since
+        self.context_len = server_args.get("context_length") or 4096  # the model's, else
+        self.max_req_input_len = self.context_len - 1 - 5  # tp_worker.py (KV pool unbounded here)
+
+    def get_server_info(self) -> dict:
+        """engine.py get_server_info: the resolved server args (context_length stays the flag)
+        and the scheduler's init info."""
+        return {**self.server_args, "context_length": self.server_args.get("context_length"),
+                "max_req_input_len": self.max_req_input_len}
 
     async def async_generate(self, input_ids=None, sampling_params=None, return_logprob=False,
                              lora_path=None):
@@ -122,6 +131,13 @@ class FakeSGLang:
             raise RuntimeError("generate from weights released without a CPU backup and never pushed again")
         if lora_path is not None and lora_path not in self.loras:  # lora_registry.py acquire()
             raise ValueError(f"The following requested LoRA adapters are not loaded: {lora_path}")
+        if len(input_ids) >= self.context_len:  # tokenizer_manager.py: the context check
+            raise ValueError(f"The input ({len(input_ids)} tokens) is longer than the model's context length")
+        if len(input_ids) + sampling_params.get("max_new_tokens", 128) > self.context_len:
+            raise ValueError("Requested token count exceeds the model's maximum context length")
+        if len(input_ids) >= self.max_req_input_len:  # the scheduler's abort, status 400:
+            # tokenizer_manager.py _handle_abort_finish_reason raises ValueError(message)
+            raise ValueError(f"Input length ({len(input_ids)} tokens) exceeds the maximum allowed length")
         self.calls.append(("generate", input_ids, dict(sampling_params), return_logprob))
         if lora_path is not None:
             self.calls[-1] += (lora_path,)

@@ -114,6 +114,26 @@ def test_adapter_maps_requests_and_outputs(fake_sglang):
     engine.loop.close()
 
 
+def test_requests_stay_within_what_the_scheduler_admits(fake_sglang):
+    """The engine reads the scheduler's max_req_input_len (get_server_info, as a server's
+    /server_info): new tokens are cut to fit and a longer prompt is refused by RL2, naming the
+    limit, where SGLang would raise on it (the fake raises as SGLang does)."""
+    engine = new_engine(context_length=40)
+    fake = engine.engine
+    engine.resume_memory()
+    fake.weights_lost = False
+    assert engine.max_model_len == fake.max_req_input_len == 34
+    params = SamplingParams(temperature=0.0, max_new_tokens=16)
+    engine.loop.run_until_complete(engine.generate(list(range(1, 31)), params))
+    assert fake.calls[-1][2]["max_new_tokens"] == 4  # 30 + 4 = 34
+    with pytest.raises(ValueError, match="max_model_len=34"):
+        engine.loop.run_until_complete(engine.generate(list(range(1, 35)), params))
+    with pytest.raises(ValueError, match="maximum allowed length"):  # what RL2 now avoids
+        fake.loop.run_until_complete(fake.async_generate(input_ids=list(range(1, 35)),
+                                                         sampling_params={"max_new_tokens": 1}))
+    engine.loop.close()
+
+
 def test_fake_enforces_sglang_lora_rules(tmp_path):
     from RL2.workers.lora import write_adapter
 

@@ -40,7 +40,8 @@ from typing import Iterable
 import torch
 import torch.distributed as dist
 
-from RL2.rollout.engine import Engine, GenerationOutput, SamplingParams
+from RL2.rollout.engine import Engine, GenerationOutput, SamplingParams, check_prompt
+from RL2.rollout.sglang_server import context_limit
 from RL2.rollout.vllm_transfer import cast_copies
 from RL2.rollout.weight_layout import make_buckets
 from RL2.utils.process import free_port, port_below_ephemeral
@@ -221,6 +222,8 @@ class SGLangEngine(Engine):
                 base_gpu_id=base_gpu_id, port=port or free_port(),
                 enable_memory_saver=enable_memory_saver, **server_args)
         self.loop = self.engine.loop
+        # what the scheduler admits (prompt + new tokens), read as for a server (context_limit)
+        self.max_model_len = context_limit(self.engine.get_server_info(), 1 << 62)
         self.released: set[str] = set()
         self.release_memory()  # the trainer owns the GPU until the first weight sync
         self.accepts_seed = _accepts_seed()
@@ -233,10 +236,11 @@ class SGLangEngine(Engine):
                            "actor.rollout.sglang.enable_deterministic_inference=true: rollouts "
                            "will not repeat exactly on resume")
 
-    def _sampling_params(self, params: SamplingParams, seed: int | None) -> dict:
+    def _sampling_params(self, params: SamplingParams, seed: int | None, prompt_len: int = 0) -> dict:
         out = dict(temperature=params.temperature, top_p=params.top_p,
                    top_k=params.top_k if params.top_k > 0 else -1,
-                   max_new_tokens=params.max_new_tokens, skip_special_tokens=False)
+                   max_new_tokens=min(params.max_new_tokens, self.max_model_len - prompt_len),
+                   skip_special_tokens=False)
         if params.stop:
             out["stop"] = list(params.stop)
         if params.stop_token_ids:
@@ -256,14 +260,14 @@ class SGLangEngine(Engine):
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> list[GenerationOutput]:
         params.validate()
-        if not prompt_ids:
-            raise ValueError("empty prompt: generation needs at least one prompt token")
+        prompt_ids = check_prompt(prompt_ids, self.max_model_len)
         if self.released:
             raise RuntimeError(f"SGLang memory {sorted(self.released)} is released: sync the "
                                "weights (which resumes it) before generating")
         seeds = [None if params.seed is None else derive_seed(params.seed, i) for i in range(params.n)]
         return list(await asyncio.gather(*[
-            self._generate_one(prompt_ids, self._sampling_params(params, seed)) for seed in seeds]))
+            self._generate_one(prompt_ids, self._sampling_params(params, seed, len(prompt_ids)))
+            for seed in seeds]))
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         if WEIGHTS in self.released:

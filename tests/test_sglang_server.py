@@ -88,7 +88,7 @@ def test_a_weight_push_reaches_a_paused_server_past_more_waiting_requests_than_t
 
         async def go():
             waiting = [asyncio.ensure_future(client.generate(prompt, params)) for _ in range(70)]
-            await asyncio.sleep(0.5)  # every generate thread is now held by the paused server
+            await asyncio.sleep(0.5)  # the generates reach the server (64) or queue behind them
             await asyncio.wait_for(client._update(iter(perturbed(assets["model"])), "7"), 20)
             assert not any(w.done() for w in waiting)
             await asyncio.to_thread(client.resume)

@@ -44,6 +44,18 @@ logger = logging.getLogger(__name__)
 def _ring_flash_varlen():
     """ring-flash-attn's zigzag varlen function, or None when it (or flash_attn) does not import."""
     try:
+        _provide_hf_flash_name()
+        from ring_flash_attn import zigzag_ring_flash_attn_varlen_func
+    except ImportError as e:
+        logger.warning("ring_flash_attn does not import (%s): ring attention on GPU runs in pure "
+                       "torch (fp32 score blocks: slower, more memory)", e)
+        return None
+    return zigzag_ring_flash_attn_varlen_func
+
+
+def _provide_hf_flash_name() -> None:
+    """Let ring-flash-attn 0.1.8 import under transformers 5 (see the comment below)."""
+    try:
         import transformers.modeling_flash_attention_utils as hf_flash
 
         if not hasattr(hf_flash, "is_flash_attn_greater_or_equal_2_10"):
@@ -55,12 +67,8 @@ def _ring_flash_varlen():
 
             hf_flash.is_flash_attn_greater_or_equal_2_10 = (
                 lambda: is_flash_attn_greater_or_equal("2.1.0"))
-        from ring_flash_attn import zigzag_ring_flash_attn_varlen_func
-    except ImportError as e:
-        logger.warning("ring_flash_attn does not import (%s): ring attention on GPU runs in pure "
-                       "torch (fp32 score blocks: slower, more memory)", e)
-        return None
-    return zigzag_ring_flash_attn_varlen_func
+    except ImportError as e:  # a later transformers: a fixed ring-flash-attn may not need it
+        logger.warning("cannot supply transformers' is_flash_attn_greater_or_equal_2_10 (%s)", e)
 
 
 def ring_attention(

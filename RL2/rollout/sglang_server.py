@@ -256,10 +256,10 @@ class SGLangServerEngine(Engine):
 
     def forget(self) -> None:
         """The server is gone: its group aborted (NCCL), no goodbye calls at shutdown."""
-        if self.group is not None:
-            self.group.abort()
-            self._retired.append(self.group)
-        self.group, self._lora = None, None
+        group, self.group, self._lora = self.group, None, None
+        if group is not None:
+            self._retired.append(group)
+            group.abort()
 
     # ------------------------------------------------------------------ Engine (standalone)
     def _run(self, coro):

@@ -42,7 +42,7 @@ class VLLMServerEngine(_VLLMBase):
             raise ValueError(f"transfer_backend={transfer_backend!r}: use {BACKEND} or nccl")
         self._setup(tokenizer, max_model_len, dtype, bucket_mb, timeout_s)
         self.url = url.rstrip("/")
-        self.transfer_host = transfer_host or address_towards(self.url)
+        self.transfer_host = transfer_host  # None: found at the first sync (the server is up)
         self.transfer_backend = transfer_backend
         if lora_rank:
             self.adapters = AdapterVersions(lora_dir)
@@ -55,12 +55,15 @@ class VLLMServerEngine(_VLLMBase):
         return http_call(self.url, method, path, body, timeout or self.timeout_s, text, "vLLM server")
 
     async def _generate_one(self, prompt: list[int], sampling: dict) -> GenerationOutput:
-        body = {"token_ids": prompt, "sampling_params": sampling, "output_mode": "tokens",
-                "cache_salt": self.cache_salt}  # see _VLLMBase._setup
+        body = {"token_ids": prompt, "sampling_params": sampling, "output_mode": "tokens"}
         if self._lora is not None:
             body["model"] = self._lora[0]  # the served LoRA adapter's name
-        out = await asyncio.get_running_loop().run_in_executor(
-            self._pool, self._http, "POST", "/inference/v1/generate", body)
+
+        def send():  # the salt (_VLLMBase._setup) as the request leaves: a call queued for a
+            # thread across a weight sync runs on the new weights
+            return self._http("POST", "/inference/v1/generate", {**body, "cache_salt": self.cache_salt})
+
+        out = await asyncio.get_running_loop().run_in_executor(self._pool, send)
         c = out["choices"][0]
         ids = [int(t) for t in c.get("token_ids") or []]
         content = (c.get("logprobs") or {}).get("content") or []
@@ -105,12 +108,15 @@ class VLLMServerEngine(_VLLMBase):
 
     def forget(self) -> None:
         """The server is gone: no goodbye calls at shutdown."""
-        self._drop_sender()
-        self._lora = None
+        try:
+            self._drop_sender()
+        finally:
+            self._lora = None
 
     def _new_sender(self) -> GlooSender | NcclSender:
         cls = NcclSender if self.transfer_backend == "nccl" else GlooSender
-        return cls(n_workers=self.n_workers, timeout_s=self.timeout_s, host=self.transfer_host)
+        return cls(n_workers=self.n_workers, timeout_s=self.timeout_s,
+                   host=self.transfer_host or address_towards(self.url))
 
     def weight_version(self) -> str:
         return self._http("GET", "/weight_info")["weight_version"]

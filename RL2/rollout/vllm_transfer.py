@@ -21,6 +21,7 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+import threading
 import urllib.parse
 
 import torch
@@ -78,7 +79,13 @@ def address_towards(url: str) -> str:
     """This machine's IP address on the route to `url` (what the server must dial back to join
     the weight-transfer group); no packet is sent."""
     parts = urllib.parse.urlsplit(url)
-    return route_address(parts.hostname, parts.port or 80)
+    if not parts.hostname:
+        raise ValueError(f"{url!r}: expected http://host:port")
+    try:
+        return route_address(parts.hostname, parts.port or 80)
+    except OSError as e:
+        raise RuntimeError(f"no route to {url} for the weight-transfer group ({e}): set "
+                           "actor.rollout.transfer_host to this machine's address") from None
 
 
 def open_group(host: str, port: int, rank: int, world_size: int, timeout_s: float, store=None,
@@ -166,6 +173,7 @@ class NcclSender:
     def __init__(self, n_workers: int = 1, timeout_s: float = 300.0, host: str = "127.0.0.1"):
         self.port = port_below_ephemeral(host=host)  # vLLM binds it later
         self.host, self.world_size, self.group = host, 1 + n_workers, None
+        self._lock = threading.Lock()
 
     def init_info(self) -> dict:
         return {"master_address": self.host, "master_port": self.port, "rank_offset": 1,
@@ -181,13 +189,18 @@ class NcclSender:
     def send(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
         stream = torch.cuda.current_stream()
         for _, t in bucket:
-            self.group.broadcast(t.cuda().contiguous(), src=0, stream=stream)
-        stream.synchronize()
+            t = t.cuda().contiguous()
+            with self._lock:  # close() destroys the communicator between calls, never inside one
+                if self.group is None:
+                    raise RuntimeError("the weight-transfer group was closed (the server was dropped)")
+                self.group.broadcast(t, src=0, stream=stream)
+        stream.synchronize()  # outside the lock: an abort by close() ends a broadcast stuck here
 
     def close(self) -> None:
         """Frees the communicator: PyNcclCommunicator.destroy aborts it from a daemon thread
         joined for at most 5 s (vllm/distributed/device_communicators/pynccl.py), so it returns
         also when the server side is gone."""
-        group, self.group = self.group, None
+        with self._lock:
+            group, self.group = self.group, None
         if group is not None:
-            group.destroy()
+            group.destroy()  # blocks up to 5 s (a dropped server: on the pool's loop)

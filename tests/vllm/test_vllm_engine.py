@@ -99,15 +99,19 @@ def test_a_prompt_cached_before_a_weight_sync_runs_on_the_new_weights_after_it(e
     params = SamplingParams(temperature=0.0, max_new_tokens=8)
     model = AutoModelForCausalLM.from_pretrained(vllm_model, dtype=torch.float32)
     g = torch.Generator().manual_seed(3)
-    for step in range(2):  # the second sync's weights differ from the first's
-        with torch.no_grad():
-            for p in model.parameters():
-                p.add_(torch.randn(p.shape, generator=g) * 0.1)
-        engine.update_weights(model.state_dict().items())
-        for _ in range(2):  # the second request finds the first one's blocks (same weights)
-            ((out,),) = run(engine, engine.generate(prompt, params))
-            torch.testing.assert_close(torch.tensor(out.logprobs, dtype=torch.float64),
-                                       hf_logps(model, prompt, out.token_ids, 1.0), atol=1e-4, rtol=0)
+    try:
+        for step in range(2):  # the second sync's weights differ from the first's
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(torch.randn(p.shape, generator=g) * 0.1)
+            engine.update_weights(model.state_dict().items())
+            for _ in range(2):  # the second request finds the first one's blocks (same weights)
+                ((out,),) = run(engine, engine.generate(prompt, params))
+                torch.testing.assert_close(torch.tensor(out.logprobs, dtype=torch.float64),
+                                           hf_logps(model, prompt, out.token_ids, 1.0), atol=1e-4, rtol=0)
+    finally:  # the module's later tests expect the checkpoint's weights
+        engine.update_weights(AutoModelForCausalLM.from_pretrained(vllm_model, dtype=torch.float32)
+                              .state_dict().items())
 
 
 def test_many_seeded_requests_at_once(engine, assets):

@@ -67,6 +67,11 @@ LORA_SYNC = ("auto", "merged", "adapter")
 ADAPTER_ENGINES = ("vllm", "sglang")  # engines that load LoRA adapters
 
 
+def one_vllm_server(cfg, kind: str) -> bool:
+    """Whether the rollouts go to one running `vllm serve` (`actor.rollout.vllm.server_url`)."""
+    return kind == "vllm" and bool((cfg.get("vllm") or {}).get("server_url"))
+
+
 def lora_sync_mode(cfg, kind: str) -> str:
     """`actor.rollout.lora_sync` (cfg) resolved for the backend `kind`: adapter (the engine loads
     the LoRA adapter; auto picks it for in-process vLLM and SGLang engines) or merged (full
@@ -75,8 +80,7 @@ def lora_sync_mode(cfg, kind: str) -> str:
     mode = cfg.get("lora_sync", "auto")
     if mode != "auto":
         return mode
-    in_process = cfg.get("placement", "colocated") == "colocated" and not (
-        kind == "vllm" and cfg.get("vllm", {}).get("server_url"))
+    in_process = cfg.get("placement", "colocated") == "colocated" and not one_vllm_server(cfg, kind)
     return "adapter" if kind in ADAPTER_ENGINES and in_process else "merged"
 
 
@@ -150,8 +154,7 @@ class Rollout:
         # weight updates on it (vLLM 0.32's worker refuses a second start_weight_update while
         # one is active, and a second transfer group replaces the first)
         self.disaggregated = cfg.get("placement", "colocated") == "disaggregated"
-        served = self.kind == "vllm" and bool((cfg.get("vllm") or {}).get("server_url"))
-        if self.disaggregated or served:
+        if self.disaggregated or one_vllm_server(cfg, self.kind):
             self.n_groups, self.group, self.is_leader = 1, 0, rank == 0
         self.loop = asyncio.new_event_loop()  # one loop for the whole run (SGLang binds to it)
         # Ranks without an engine wait here for the leaders' rollouts, which can take longer than

@@ -110,7 +110,7 @@ def test_cuda_graph_calls_exist_in_this_torch():
     ships the same Python API) since they cannot run here."""
     import inspect
 
-    assert callable(torch.cuda.device)
+    assert callable(torch.cuda.device) and callable(torch.cuda.set_stream)
     assert {"pool", "capture_error_mode"} <= set(inspect.signature(torch.cuda.graph.__init__).parameters)
     assert all(hasattr(torch.cuda.CUDAGraph, m) for m in ("pool", "replay"))
     assert "device" in inspect.signature(torch.cuda.Stream.__new__).parameters
@@ -181,6 +181,105 @@ def test_a_failed_capture_falls_back_to_the_eager_step(caplog):
         _same(_run(graphed, prompts, lengths, 0), _run(plain, prompts, lengths, 0))
     assert graphed.runner.graphed is None
     assert "decoding without graphs from now on" in caplog.text
+
+
+class _Stream:
+    def __init__(self, name="side"):
+        self.name = name
+
+    def wait_stream(self, other):
+        pass
+
+
+class _Streams:
+    """torch.cuda's current stream (one thread). `stream(s)` restores the previous one on exit
+    whatever happened, as torch.cuda.StreamContext.__exit__ does."""
+
+    def __init__(self):
+        self.current = _Stream("default")
+
+    def current_stream(self, device=None):
+        return self.current
+
+    def set_stream(self, s):
+        self.current = s
+
+    def stream(self, s):
+        return _StreamContext(self, s)
+
+
+class _StreamContext:  # a class, not a generator: a generator's finally would run when collected
+    def __init__(self, streams, s):
+        self.streams, self.stream = streams, s
+
+    def __enter__(self):
+        self.before, self.streams.current = self.streams.current, self.stream
+
+    def __exit__(self, *exc):
+        self.streams.current = self.before
+
+
+class _CapturingGraph:
+    """torch.cuda.CUDAGraph's capture: an op the capture cannot take (a host sync, say)
+    invalidates it, and capture_end then raises (cudaStreamEndCapture's error, AT_CUDA_CHECKed
+    in aten/src/ATen/cuda/CUDAGraph.cpp)."""
+
+    def __init__(self):
+        self.capturing = self.invalid = False
+
+    def capture_begin(self, *pool, capture_error_mode="global", check_input_liveness=False):
+        self.capturing = True
+
+    def capture_end(self):
+        self.capturing = False
+        if self.invalid:
+            raise RuntimeError("CUDA error: operation failed due to a previous error during capture")
+
+    def pool(self):
+        return ("pool",)
+
+
+def test_a_failed_capture_leaves_the_engine_thread_on_its_own_stream(monkeypatch):
+    """The real torch.cuda.graph's __enter__/__exit__ (only its __init__, which makes a CUDA
+    stream, is replaced): its __exit__ calls capture_end() before restoring the stream, so a
+    failed capture must not leave the engine's later eager steps on the capture stream."""
+    streams, capture_stream = _Streams(), _Stream("capture")
+    made = []
+
+    class RealGraphContext(torch.cuda.graphs.graph):
+        def __init__(self, cuda_graph, pool=None, stream=None, capture_error_mode="global"):
+            # the attributes torch 2.13's __init__ sets, with a stand-in capture stream
+            self.pool = () if pool is None else (pool,)
+            self.capture_stream = capture_stream
+            self.stream_ctx = streams.stream(capture_stream)
+            self.cuda_graph, self.capture_error_mode = cuda_graph, capture_error_mode
+            self._enable_annotations, self.check_input_liveness = False, False
+
+    def new_graph():
+        made.append(_CapturingGraph())
+        return made[-1]
+
+    for name, value in dict(Stream=lambda device=None: _Stream(), CUDAGraph=new_graph,
+                            graph=RealGraphContext, current_stream=streams.current_stream,
+                            set_stream=streams.set_stream, stream=streams.stream,
+                            synchronize=lambda *a: None, empty_cache=lambda: None).items():
+        monkeypatch.setattr(torch.cuda, name, value)
+    monkeypatch.setattr(torch._C, "_host_emptyCache", lambda: None, raising=False)
+
+    def step():  # fine while warming up; an op the capture rejects once capturing
+        if made and made[-1].capturing:
+            made[-1].invalid = True
+            raise RuntimeError("operation not permitted when stream is capturing")
+        return torch.zeros(2)
+
+    default = streams.current
+    decoder = GraphedDecode(tiny_model(), None)
+    with pytest.raises(RuntimeError):
+        decoder._record_on(step, "cuda:0")
+    assert streams.current is default
+    made.clear()
+    graph, out = decoder._record_on(lambda: torch.ones(2), "cuda:0")  # a capture that works
+    assert graph is made[0] and streams.current is default and decoder.pool == ("pool",)
 
 
 def test_dynamic_rope_decodes_without_graphs(caplog):

@@ -110,7 +110,14 @@ class GraphedDecode:
                 step()
         torch.cuda.current_stream(device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-            logits = step()
+        before = torch.cuda.current_stream(device)
+        try:
+            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+                logits = step()
+        finally:
+            # torch.cuda.graph's __exit__ calls capture_end() before it restores the stream, so
+            # a capture that fails (capture_end raises) would leave this thread on the capture
+            # stream, unordered with the trainer's writes to the weights (torch/cuda/graphs.py)
+            torch.cuda.set_stream(before)
         self.pool = graph.pool()
         return graph, logits

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from RL2.algorithms.losses import cispo_loss, gspo_loss, policy_loss, token_weights
+from RL2.algorithms import on_policy
 from RL2.algorithms.on_policy import OnPolicyError, check_engine_logps, max_logp_gap
 from RL2.algorithms.ppo import epoch_batches, mini_batches, sequence_log_ratio
 
@@ -151,3 +152,17 @@ def test_engine_logp_check_names_step_and_deviation():
     check_engine_logps(samples, step=3, tol=1e-3)  # the masked token's gap does not count
     with pytest.raises(OnPolicyError, match=r"step 4: .*differ by 0.0005 .*sample 0, token 1"):
         check_engine_logps(samples, step=3, tol=1e-4)
+
+
+def test_first_ratio_tolerance_is_exact_in_fp32_and_the_users_knob_in_half_precision(monkeypatch):
+    """fp32 keeps the 1e-6 rounding bound; in bf16 the update's micro-batches (of the shuffled
+    mini-batch) round differently from the log-prob pass's, so actor.on_policy_tol applies."""
+    assert on_policy.ratio_tol(torch.float32, 0.2) == on_policy.ratio_tol(torch.float64, 0.2) == 1e-6
+    assert on_policy.ratio_tol(torch.bfloat16, 0.2) == on_policy.ratio_tol(torch.float16, 0.2) == 0.2
+    monkeypatch.setattr(on_policy, "all_reduce_floats", lambda values, op=None: values)  # one rank
+    tol = on_policy.ratio_tol(torch.bfloat16, 0.2)
+    on_policy.check_first_ratio(None, 0.125, 0, tol)  # one bf16 ulp of a logit near 20
+    with pytest.raises(OnPolicyError, match=r"step 2: .*0\.3 > 0\.2 \(half precision"):
+        on_policy.check_first_ratio(None, 0.3, 1, tol)
+    with pytest.raises(OnPolicyError, match=r"1\.2e-05 > 1e-06\)"):
+        on_policy.check_first_ratio(None, 1.2e-5, 0, on_policy.ratio_tol(torch.float32, 0.2))

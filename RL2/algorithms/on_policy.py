@@ -7,12 +7,21 @@ log-probs after top-p renormalisation, a wrong temperature) or a train/eval diff
 forward breaks one of these silently; these checks stop the run instead, naming the step and the
 largest per-token deviation.
 """
+import torch
 import torch.distributed as dist
 
 from RL2.parallel.collectives import all_reduce_floats
 
-# Two forwards of the same weights on the same packed batch differ only by float rounding.
+# fp32: two forwards of the same weights differ only by float rounding.
 RATIO_TOL = 1e-6
+
+
+def ratio_tol(dtype: torch.dtype, on_policy_tol: float) -> float:
+    """The first update's tolerance on |log ratio|. In bf16/fp16 the update packs its shuffled
+    mini-batch into other micro-batches than the log-prob pass did, and products of another
+    row count round differently (one bf16 ulp of a logit near 20 is 0.125 in its log-prob), so
+    half precision shares `actor.on_policy_tol`, the knob README says to raise for bf16."""
+    return RATIO_TOL if dtype in (torch.float32, torch.float64) else max(RATIO_TOL, on_policy_tol)
 
 
 class OnPolicyError(RuntimeError):
@@ -40,12 +49,14 @@ def check_engine_logps(samples: list[dict], step: int, tol: float):
             f"not sample from the trained policy (weight sync, temperature or sampling bug)")
 
 
-def check_first_ratio(actor, local_gap: float, step: int):
+def check_first_ratio(actor, local_gap: float, step: int, tol: float = RATIO_TOL):
     """Before the first optimizer step the ratio pi / pi_old must be 1: `local_gap` is this
-    rank's largest |logp - old_logp| in the first mini-batch; all ranks take part."""
+    rank's largest |logp - old_logp| in the first mini-batch; all ranks take part. `tol`:
+    `ratio_tol` of the compute dtype."""
     gap = all_reduce_floats([local_gap], op=dist.ReduceOp.MAX)[0]  # on the group's device
-    if gap > RATIO_TOL:
+    if gap > tol:
+        hint = "" if tol == RATIO_TOL else " (half precision: tolerance actor.on_policy_tol)"
         raise OnPolicyError(
             f"strict on-policy check failed at step {step + 1}: the first update's ratio is not 1 "
-            f"(largest |log ratio| {gap:.3g} > {RATIO_TOL}); the training forward differs "
+            f"(largest |log ratio| {gap:.3g} > {tol}{hint}); the training forward differs "
             f"from the log-prob pass on the same weights")

@@ -11,7 +11,7 @@ import torch
 from RL2.algorithms.advantages import apply_kl_to_rewards, compute_gae, outcome_advantages, whiten
 from RL2.algorithms.losses import (cispo_loss, gspo_loss, kl_estimator, policy_loss, tis_weight, upcast,
                                    value_loss, with_token_weights)
-from RL2.algorithms.on_policy import check_first_ratio
+from RL2.algorithms.on_policy import check_first_ratio, ratio_tol
 from RL2.parallel.collectives import sequence_sums
 from RL2.utils.seeding import derive_seed
 
@@ -168,7 +168,7 @@ def actor_update(actor, samples: list[dict], cfg, kl_cfg, seed: int, step: int =
             sums["entropy"] += (out["entropy"].detach() * w).sum().item()
             sums["approx_kl"] += ((old - logps.detach()) * w).sum().item()
         if b == 0 and cfg.strict_on_policy:
-            check_first_ratio(actor, first_gap, step)
+            check_first_ratio(actor, first_gap, step, ratio_tol(actor.compute_dtype, cfg.on_policy_tol))
         grad_norms.append(actor.step())
     # Each sum is a mean over one mini-batch; average over mini-batches.
     metrics = {k: v / len(batches) for k, v in zip(sums, actor.all_reduce_metrics(sums.values()))}

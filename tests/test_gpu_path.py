@@ -313,3 +313,27 @@ def test_transfer_threads_run_on_the_callers_cuda_device(monkeypatch):
     thread.start()
     thread.join()
     assert seen == [3]
+
+
+def test_the_nccl_group_waits_as_long_as_the_config_says(monkeypatch):
+    """Without `timeout=`, torch gives an NCCL group 10 minutes (ProcessGroupNCCL's default;
+    distributed_c10d._get_default_timeout), shorter than rank 0 alone may take to read or save a
+    large model while the others wait in a collective; gloo's default is 30."""
+    import os
+    from datetime import timedelta
+
+    from RL2.parallel import mesh
+
+    calls = []
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: calls.append((backend, kw)))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda index: None)
+    for key, value in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT="29999", RANK="0",
+                           WORLD_SIZE="1", LOCAL_RANK="0").items():
+        monkeypatch.setenv(key, value)
+    cfg = OmegaConf.load(os.path.join(os.path.dirname(mesh.__file__), "..", "config", "trainer",
+                                      "default.yaml"))
+    assert mesh.init_distributed("cuda", cfg.dist_timeout) == "cuda"
+    assert calls == [("nccl", {"timeout": timedelta(seconds=cfg.dist_timeout)})]
+    assert cfg.dist_timeout >= 1800

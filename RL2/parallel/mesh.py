@@ -6,6 +6,7 @@ tp is the innermost dimension of both, so the tp groups of the two meshes are th
 import logging
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -19,7 +20,7 @@ def resolve_device(device: str = "auto") -> str:
     return ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
 
 
-def init_distributed(device: str = "auto") -> str:
+def init_distributed(device: str = "auto", timeout_s: float = 1800.0) -> str:
     """Initialise the default process group from torchrun's env (or a 1-rank group without it).
 
     Returns the device type: "cuda" (NCCL) when CUDA is present and not disabled, else "cpu" (gloo).
@@ -42,7 +43,12 @@ def init_distributed(device: str = "auto") -> str:
 
             keep_freed_memory()
             cap_onednn_caches()
-        dist.init_process_group("nccl" if device == "cuda" else "gloo")
+        # the default group's timeout bounds every collective and every group made from it
+        # (device meshes, barriers); torch defaults NCCL to 10 min and gloo to 30
+        # (distributed_c10d._get_default_timeout), and rank 0 alone may read or write a large
+        # model for longer than 10 min while the other ranks wait
+        dist.init_process_group("nccl" if device == "cuda" else "gloo",
+                                timeout=timedelta(seconds=timeout_s))
     return device
 
 

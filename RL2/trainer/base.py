@@ -87,7 +87,7 @@ class Trainer:
 
     def __init__(self, cfg: DictConfig):
         self.cfg = cfg
-        self.device = init_distributed(cfg.trainer.device)
+        self.device = init_distributed(cfg.trainer.device, cfg.trainer.dist_timeout)
         setup_logging()
         self.validate_layouts()
         seed_everything(cfg.trainer.seed)

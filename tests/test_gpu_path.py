@@ -315,20 +315,41 @@ def test_transfer_threads_run_on_the_callers_cuda_device(monkeypatch):
     assert seen == [3]
 
 
-def test_the_nccl_group_waits_as_long_as_the_config_says(monkeypatch):
+def _mesh_timeouts(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.distributed_c10d import Backend, _get_default_timeout
+
+    from RL2.parallel.mesh import init_distributed
+
+    dist.destroy_process_group()  # run_dist's own group: RL2's set-up makes the default group
+    init_distributed("cpu", 1234.0)
+    mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("a", "b"))
+    groups = [dist.group.WORLD, mesh.get_group("a"), mesh.get_group("b")]
+    return ([g._get_backend(torch.device("cpu")).options._timeout.total_seconds() for g in groups],
+            _get_default_timeout(Backend.NCCL).total_seconds())
+
+
+def test_every_group_waits_as_long_as_the_config_says(monkeypatch):
     """Without `timeout=`, torch gives an NCCL group 10 minutes (ProcessGroupNCCL's default;
     distributed_c10d._get_default_timeout), shorter than rank 0 alone may take to read or save a
-    large model while the others wait in a collective; gloo's default is 30."""
+    large model while the others wait in a collective; gloo's default is 30. A device mesh's
+    groups get the backend's default, not the default group's timeout: real gloo groups here,
+    and the default NCCL groups would take."""
     import os
     from datetime import timedelta
 
     from RL2.parallel import mesh
 
+    assert run_dist(_mesh_timeouts, 2)[0] == ([1234.0] * 3, 1234.0)
     calls = []
     monkeypatch.setattr(dist, "is_initialized", lambda: False)
     monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: calls.append((backend, kw)))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "set_device", lambda index: None)
+    from torch.distributed import distributed_c10d as c10d
+
+    for name in ("default_pg_timeout", "default_pg_nccl_timeout"):  # restored after the test
+        monkeypatch.setattr(c10d, name, getattr(c10d, name))
     for key, value in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT="29999", RANK="0",
                            WORLD_SIZE="1", LOCAL_RANK="0").items():
         monkeypatch.setenv(key, value)

@@ -10,6 +10,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 logger = logging.getLogger(__name__)
@@ -43,12 +44,13 @@ def init_distributed(device: str = "auto", timeout_s: float = 1800.0) -> str:
 
             keep_freed_memory()
             cap_onednn_caches()
-        # the default group's timeout bounds every collective and every group made from it
-        # (device meshes, barriers); torch defaults NCCL to 10 min and gloo to 30
-        # (distributed_c10d._get_default_timeout), and rank 0 alone may read or write a large
-        # model for longer than 10 min while the other ranks wait
-        dist.init_process_group("nccl" if device == "cuda" else "gloo",
-                                timeout=timedelta(seconds=timeout_s))
+        # Rank 0 alone may read or write a large model for longer than NCCL's default 10
+        # minutes (gloo: 30) while the other ranks wait. A group made without a timeout, as
+        # init_device_mesh makes its groups, takes the backend's default from these module
+        # globals (distributed_c10d._get_default_timeout), not the default group's timeout.
+        timeout = timedelta(seconds=timeout_s)
+        c10d.default_pg_timeout = c10d.default_pg_nccl_timeout = timeout
+        dist.init_process_group("nccl" if device == "cuda" else "gloo", timeout=timeout)
     return device
 
 

@@ -313,6 +313,19 @@ def test_transfer_threads_run_on_the_callers_cuda_device(monkeypatch):
     thread.start()
     thread.join()
     assert seen == [3]
+    # a weight sync of the server pool called inside a running loop (an in-flight update) runs
+    # on a helper thread of its own, whose transfer threads take the device from it
+    from RL2.rollout.remote import RemotePool
+
+    pool = RemotePool.__new__(RemotePool)
+    pool.closed = pool._paused = False
+
+    async def in_flight():
+        async def sync():
+            return torch.cuda.current_device(), await in_daemon_thread(torch.cuda.current_device)
+        return pool._run(sync(), timeout=10)
+
+    assert asyncio.run(in_flight()) == (3, 3)
 
 
 def _mesh_timeouts(rank, world):

@@ -39,7 +39,7 @@ import urllib.request
 
 import torch
 
-from RL2.rollout.engine import Engine, GenerationOutput, SamplingParams
+from RL2.rollout.engine import Engine, GenerationOutput, SamplingParams, on_this_cuda_device
 from RL2.rollout.weight_layout import make_buckets
 from RL2.rollout.sglang_server import SGLangServerEngine, server_problems, with_last
 from RL2.rollout.vllm_server import VLLMServerEngine
@@ -277,8 +277,14 @@ class RemotePool(Engine):
             inside = False
         if not inside:
             return self.loop.run_until_complete(then_resume())
+        set_device = on_this_cuda_device()  # a new thread starts on GPU 0, not this rank's
+
+        def run():
+            set_device()
+            return asyncio.run(then_resume())
+
         with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rl2-pool-sync") as helper:
-            return helper.submit(asyncio.run, then_resume()).result()
+            return helper.submit(run).result()
 
     def abort_requests(self) -> None:
         """New weights mid-rollout: pause every live server, aborting its running requests

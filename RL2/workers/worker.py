@@ -235,10 +235,13 @@ class Worker:
         samples, groups, dropped = self._layout(samples, groups, share)  # outputs back at full length
         for mb in self._plan(samples, groups):
             out = self.forward(mb, **kw)[key]
-            for i, t in zip(mb.indices, unpack(mb, out, self.dims.sp_group)):
-                if i >= n:  # a shared prefix's own sequence (`share_prefixes`)
-                    continue
-                t = upcast(t.detach()).cpu()
+            # i >= n: a shared prefix's own sequence (`share_prefixes`)
+            kept = [(i, t.detach()) for i, t in zip(mb.indices, unpack(mb, out, self.dims.sp_group)) if i < n]
+            if not kept:
+                continue
+            # one host copy per micro-batch: each .cpu() of a CUDA tensor waits for the GPU
+            host = upcast(torch.cat([t for _, t in kept])).cpu().split([len(t) for _, t in kept])
+            for (i, _), t in zip(kept, host):
                 if dropped and dropped[i]:  # left to its group's prefix: nothing reads them (0 there)
                     t = torch.cat([t.new_zeros(dropped[i], *t.shape[1:]), t])
                 local[i] = t

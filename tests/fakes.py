@@ -2,7 +2,7 @@
 import asyncio
 from types import SimpleNamespace
 
-from RL2.rollout.engine import Engine, GenerationOutput
+from RL2.rollout.engine import Engine, GenerationOutput, check_prompt
 
 
 def traj(score, source):
@@ -16,13 +16,15 @@ class ScriptedEngine(Engine):
     """Answers call k with the tokenisation of texts[k], or of texts[pick(prompt_ids)] when
     `pick` is given (e.g. by turn, when many trajectories run at once); the logprob of token i of
     call k is -(k+1) - 0.01*i, so tests can tell which call and position each came from.
-    `calls` records (prompt_ids, params) of every call."""
+    `calls` records (prompt_ids, params) of every call. Prompts are checked as every RL2 engine
+    checks them (`check_prompt`: none empty, none of `max_model_len` tokens or more)."""
 
-    def __init__(self, tokenizer, texts, pick=None):
+    def __init__(self, tokenizer, texts, pick=None, max_model_len: int = 1 << 30):
         self.ids = [tokenizer.encode(t, add_special_tokens=False) for t in texts]
-        self.pick, self.calls = pick, []
+        self.pick, self.calls, self.max_model_len = pick, [], max_model_len
 
     async def generate(self, prompt_ids, params):
+        check_prompt(prompt_ids, self.max_model_len)
         k = len(self.calls)
         self.calls.append((list(prompt_ids), params))
         ids = self.ids[self.pick(prompt_ids) if self.pick else k]

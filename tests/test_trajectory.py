@@ -268,3 +268,44 @@ def test_huge_next_state_ends_the_trajectory_truncated_at_max_length(tok, tmp_pa
     # Tokenised text is bounded by max_length, not by what step returned (1 MB).
     assert max(encoded) <= max_length * trajectory._max_token_chars(tok) < 100_000
     assert len(traj.turns[0]["env_text"]) < 100_000
+
+
+def test_env_text_without_tokens_fails_the_trajectory_not_the_run(tok, tmp_path):
+    """An empty state from `reset`, or an empty `next_state` that starts a new sequence, would
+    reach the engine as an empty prompt (ValueError, which ends the run): the env's bug fails
+    its own trajectory, counted and dumped like any env failure."""
+    env = load_env(write_env(tmp_path, """
+        def step(state, action, extra_info):
+            return {"next_state": "", "reward": 0.5, "done": False}
+    """), {})
+    traj = run(ScriptedEngine(tok, ACTIONS), tok, env, make_prompt(tok))
+    assert traj.failed and "step (turn 0)" in traj.error and "neither extends" in traj.error
+    assert traj.turns[0]["error"] == traj.error and len(traj.samples) == 1  # turn 0 kept
+    env = load_env(write_env(tmp_path, """
+        def reset(extra_info):
+            return ""
+        def step(state, action, extra_info):
+            return {"next_state": None, "reward": 1.0, "done": True}
+    """), {})
+    traj = run(ScriptedEngine(tok, ACTIONS), tok, env, {"extra_info": {}})
+    assert traj.failed and "reset" in traj.error and traj.samples == []
+
+
+def test_env_text_past_the_engines_context_truncates_the_trajectory(tok, tmp_path):
+    """actor.rollout.max_length (2048 by default) may exceed the model's context: a sequence is
+    bounded by the engine's `max_model_len` as well, so env text that would not fit ends the
+    trajectory as truncated instead of the engine refusing the next prompt."""
+    words = " ".join(["word"] * 60)
+    for merge in (False, True):
+        env = load_env(write_env(tmp_path, f"""
+            def step(state, action, extra_info):
+                text = "<|im_start|>user\\n{words}<|im_end|>\\n<|im_start|>assistant\\n"
+                return {{"next_state": (state + action + text) if {merge} else text,
+                         "reward": 0.0, "done": False}}
+        """), {})
+        prompt = make_prompt(tok)
+        context = len(prompt["prompt_ids"]) + 20
+        engine = ScriptedEngine(tok, ACTIONS, max_model_len=context)
+        traj = run(engine, tok, env, prompt, max_length=2048)
+        assert not traj.failed and traj.truncated and len(engine.calls) == 1
+        assert all(len(s["input_ids"]) <= context for s in traj.samples)

@@ -203,7 +203,11 @@ async def _initial_state(env: Env, tokenizer, prompt: dict, traj: Trajectory, bu
     extra_info = extra_info if "uid" in extra_info else {**extra_info, "uid": traj.uid}
     traj.extra_info = extra_info
     state = budget(max_length, state)
-    return state, _encode(tokenizer, state)[:max_length], extra_info
+    ids = _encode(tokenizer, state)[:max_length]
+    if not ids:  # the engine cannot generate from nothing
+        _fail(traj, "reset", ValueError(f"reset returned {state!r}: the first turn needs a prompt token"))
+        return None
+    return state, ids, extra_info
 
 
 def _take_step_result(traj: Trajectory, seq: _Sequence, res: dict, record: dict) -> dict:
@@ -234,6 +238,11 @@ async def run_trajectory(engine, tokenizer, env: Env, prompt: dict, sampling_par
     `failed=True` and never raise; the samples generated so far are kept. Engine errors propagate.
     """
     max_turns, budget = max(1, int(max_turns)), _Budget(tokenizer)
+    # the engine's context bounds a sequence too: env text longer than it ends the trajectory
+    # as truncated instead of the engine refusing the prompt (an error that ends the run)
+    context = getattr(engine, "max_model_len", None)
+    if context is not None:
+        max_length = context if max_length is None else min(max_length, context)
     extra_info = env.initial_extra_info(prompt.get("extra_info"), uid)
     traj = Trajectory(uid=uid, extra_info=extra_info)
     sequences: list[_Sequence] = []
@@ -293,6 +302,11 @@ async def _turn(engine, tokenizer, env, traj, sequences, state, extra_info, samp
         return state, extra_info, True
     env_ids = _encode(tokenizer, env_text)
     if not merged:
+        if not env_ids:  # a new sequence needs a prompt token; the env's bug, not the run's
+            _fail(traj, f"step (turn {turn})", ValueError(
+                f"next_state {next_state!r} neither extends state + action nor holds any token "
+                "to start a new sequence from"), record)
+            return state, extra_info, True
         seq = _Sequence([])
         sequences.append(seq)
     seq.add(env_ids[:room], action=False)

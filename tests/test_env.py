@@ -43,6 +43,17 @@ def test_import_error_is_reported_with_path(tmp_path):
         load_env(path, {})
 
 
+@pytest.mark.parametrize("where", ["import", "configure"])
+def test_an_env_that_exits_at_load_is_an_error_naming_it(tmp_path, where):
+    """sys.exit (an argparse at import, say) is a SystemExit: it ended the run at once, with
+    status 0 and no message (found by a hostile-input probe)."""
+    source = ("import argparse\nargparse.ArgumentParser().parse_args(['--nope'])\n" if where == "import"
+              else "import sys\ndef configure(**kw):\n    sys.exit(0)\n")
+    path = write_env(tmp_path, source + "def step(s, a, e):\n    pass\n")
+    with pytest.raises(EnvError, match=r"my_env.py.* failed: SystemExit"):
+        load_env(path, {})
+
+
 # ---------------------------------------------------------------- env_args, sync/async, reset
 ECHO = """
     CONFIG = {}

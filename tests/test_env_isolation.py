@@ -219,3 +219,43 @@ def test_a_worker_that_dies_is_replaced(tmp_path):
         assert env.pool.replaced == 1
     finally:
         env.shutdown()
+
+
+_NEVER_RETURNS = """
+import asyncio, logging, signal, sys, time
+from RL2.rollout.env import LoopWatchdog
+logging.basicConfig(level=logging.INFO)
+if sys.argv[1] == "ignore":
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+async def step():
+    time.sleep(1000)  # blocks the loop and never gives it back
+async def main():
+    watchdog = LoopWatchdog(asyncio.get_running_loop(), 0.2, abort_after=1.0, grace=5.0)
+    task = asyncio.ensure_future(step())
+    task.set_name("step() of env e.py (uid u7)")
+    watchdog.tasks.add(task)
+    await task
+asyncio.run(main())
+"""
+
+
+@pytest.mark.parametrize("sigint", ["default", "ignore"])
+def test_an_async_step_that_never_returns_stops_the_run_instead_of_hanging_it(tmp_path, sigint):
+    """The watchdog only logs while the call may still return; past abort_after it interrupts
+    the main thread (a KeyboardInterrupt out of the blocking sleep), and if that does nothing
+    (SIGINT ignored) the process exits after the grace period."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "hang.py"
+    script.write_text(_NEVER_RETURNS)
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, str(script), sigint], capture_output=True, text=True, timeout=60,
+                          cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert time.monotonic() - start < 30
+    assert done.returncode != 0
+    assert "stopping the run: step() of env e.py (uid u7) has blocked the event loop" in done.stderr
+    if sigint == "default":
+        assert "KeyboardInterrupt" in done.stderr
+    else:
+        assert done.returncode == 1 and "still blocks the event loop; exiting" in done.stderr

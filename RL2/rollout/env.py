@@ -24,7 +24,8 @@ Where hooks run and how timeouts (`timeout` seconds, None or <= 0 disables) fire
   thread per call; a timed-out thread is ABANDONED and keeps running (and holding the GIL).
 - async hooks run on the caller's event loop under `asyncio.timeout`. They must not block the
   loop (use `asyncio.to_thread` for blocking work): a watchdog thread logs which call blocks the
-  loop for longer than the timeout, and such a call fails with EnvTimeout when it returns.
+  loop for longer than the timeout, and such a call fails with EnvTimeout when it returns; one
+  that blocks it past 2 x the timeout + 30 s stops the run (`LoopWatchdog`).
 Any exception from user code, BaseException included (SystemExit, ...), is an EnvError that fails
 the trajectory; only KeyboardInterrupt and cancellation propagate.
 """
@@ -35,6 +36,8 @@ import importlib.util
 import inspect
 import logging
 import math
+import os
+import signal
 import sys
 import threading
 import time
@@ -103,10 +106,17 @@ async def _guarded(awaitable, name: str) -> Any:
 
 class LoopWatchdog:
     """A daemon thread that notices when the event loop stops ticking for longer than
-    `threshold` seconds while one of the env tasks in `tasks` is running on it, and logs which."""
+    `threshold` seconds while one of the env tasks in `tasks` is running on it, and logs which.
+    A call that never gives the loop back would hang the run: past `abort_after` seconds
+    (default 2 x threshold + 30) it sends SIGINT to the main thread (KeyboardInterrupt there,
+    which also ends a blocking sleep; the trainer's cleanup runs), and `grace` seconds later, if
+    the process is still here, exits it with status 1."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, threshold: float):
-        self.loop, self.threshold = loop, threshold
+    def __init__(self, loop: asyncio.AbstractEventLoop, threshold: float, abort_after: float | None = None,
+                 grace: float = 30.0):
+        self.loop, self.threshold, self.grace = loop, threshold, grace
+        self.abort_after = 2 * threshold + 30 if abort_after is None else abort_after
+        self.interrupted_at = self.signalled_at = None
         self.tasks: set = set()
         self.blocked: dict = {}  # task -> longest stall seen while it ran
         self.last = time.monotonic()
@@ -133,6 +143,26 @@ class LoopWatchdog:
             if task not in self.blocked:
                 logger.error("event loop blocked for more than %.1fs by %s", self.threshold, task.get_name())
             self.blocked[task] = stalled
+            if stalled > self.abort_after:
+                self._abort(task, stalled)
+
+    def _abort(self, task, stalled: float) -> None:
+        now = time.monotonic()
+        if self.interrupted_at is None:
+            self.interrupted_at = self.signalled_at = now
+            logger.critical("stopping the run: %s has blocked the event loop for %.0fs (async env "
+                            "hooks must not block; use asyncio.to_thread)", task.get_name(), stalled)
+        elif now - self.interrupted_at > self.grace:
+            logger.critical("%s still blocks the event loop; exiting", task.get_name())
+            for handler in logging.getLogger().handlers:
+                handler.flush()
+            os._exit(1)
+        elif now - self.signalled_at < 1.0:
+            return
+        self.signalled_at = now
+        # a real signal (not _thread.interrupt_main) ends a blocking sleep; once a second, since
+        # asyncio.run's own SIGINT handler raises KeyboardInterrupt only at the second
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
 
     def release(self, task) -> float:
         self.tasks.discard(task)
@@ -321,7 +351,7 @@ def _import_script(path: Path):
     sys.modules[name] = module
     try:
         spec.loader.exec_module(module)
-    except Exception as e:
+    except (Exception, SystemExit) as e:  # sys.exit or argparse at import would end the run silently
         del sys.modules[name]
         raise EnvError(f"importing env_path {path} failed: {type(e).__name__}: {e}") from e
     return module
@@ -350,7 +380,7 @@ def load_env(env_path: str, env_args: dict | None = None, timeout: float | None 
     if configure is not None:
         try:
             configure(**env_args)
-        except Exception as e:
+        except (Exception, SystemExit) as e:
             raise EnvError(f"configure(**env_args) of env {env_path} failed: {type(e).__name__}: {e}") from e
     env = Env(module, str(env_path), env_args, timeout, workers)
     logger.info("Loaded env %s (step: %s, reset: %s, timeout: %s, worker processes: %s)", env_path,

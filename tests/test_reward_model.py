@@ -83,3 +83,24 @@ def test_reward_model_scores_like_hf_and_adds_to_the_reward(assets, trained_rm):
         assert rewards[-1] == pytest.approx(1.0 + 0.5 * want, rel=1e-5) and not any(rewards[:-1])
     failed = got[2]
     assert failed[0] == 1.0 and failed[2] == {}  # a failed trajectory is not scored
+
+
+def test_a_causal_lm_is_refused_as_a_reward_model(assets, trained_rm, tmp_path):
+    """A causal LM has no score head: loaded as a token classifier it would score with a random
+    one (found by a hostile-input probe). RL2.trainer.rm's output and a sharded index pass."""
+    import json
+
+    from safetensors import safe_open
+
+    from RL2.rollout.reward_model import check_reward_head, weight_names
+
+    with pytest.raises(SystemExit, match="has no score head"):
+        check_reward_head(assets["model"])
+    check_reward_head(trained_rm)
+    with safe_open(f"{trained_rm}/model.safetensors", "pt") as f:
+        names = list(f.keys())
+    (tmp_path / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {n: "model-00001-of-00002.safetensors" for n in names}}))
+    assert weight_names(str(tmp_path)) == set(names)
+    check_reward_head(str(tmp_path))
+    assert weight_names(str(tmp_path / "missing")) is None

@@ -66,11 +66,44 @@ def add_reward(traj, value: float):
             return
 
 
+def weight_names(path: str) -> set[str] | None:
+    """The tensor names of a local safetensors checkpoint (one file or an index), read from
+    their headers; None when they cannot be listed (another format, a hub name)."""
+    import json
+    import os
+
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            return set(json.load(f)["weight_map"])
+    single = os.path.join(path, "model.safetensors")
+    if not os.path.isfile(single):
+        return None
+    from safetensors import safe_open
+
+    with safe_open(single, "pt") as f:
+        return set(f.keys())
+
+
+def check_reward_head(path: str):
+    """A checkpoint without a score head (a causal LM) loads as a token classifier with a
+    freshly drawn head (transformers only prints a MISSING table): random rewards. The head is
+    `score` in transformers' decoder token classifiers (and RL2.trainer.rm's output), `classifier`
+    in encoder ones."""
+    names = weight_names(path)
+    if names is not None and not any(n.split(".")[-2:] in (["score", "weight"], ["classifier", "weight"])
+                                     for n in names):
+        raise SystemExit(f"actor.rollout.reward_model={path} has no score head (no score.weight among "
+                         f"its {len(names)} tensors): it is not a reward model; train one with "
+                         f"RL2.trainer.rm")
+
+
 class RewardModel:
     def __init__(self, path: str, actor_cfg, coef: float, tokenizer, device: str, seed: int,
                  chat: bool = True):
         from RL2.workers.critic import Critic
 
+        check_reward_head(path)
         check_same_tokenizer(path, tokenizer)
         self.eos_id, self.suffix = tokenizer.eos_token_id, chat_suffix(tokenizer) if chat else []
         cfg = OmegaConf.merge(actor_cfg, {"model_name": path, "tokenizer_name": None})

@@ -125,3 +125,62 @@ def test_launch_freezes_the_collector_at_exit_once_the_run_is_closed(monkeypatch
     monkeypatch.setattr(base.atexit, "register", lambda f: calls.append(("at exit", f)))
     Run.launch("sft")
     assert calls == [("init", "config sft"), "fit", "close", ("at exit", gc.freeze)]
+
+
+def fake_run(root, name, steps=(2,), metrics=True):
+    run = root / name
+    for s in steps:
+        (run / f"step{s}").mkdir(parents=True)
+        (run / f"step{s}" / "trainer_state.json").write_text(json.dumps({"step": s}))
+    if steps:
+        (run / "latest").write_text(f"step{steps[-1]}")
+    if metrics:
+        (run / "metrics.jsonl").write_text('{"step": 1}\n')
+    return run
+
+
+def problem(run_dir, load_ckpt_from=None, log_dir=None):
+    from types import SimpleNamespace
+
+    from RL2.trainer.base import _run_dir_problem
+
+    return _run_dir_problem(SimpleNamespace(load_ckpt_from=load_ckpt_from, log_dir=log_dir), str(run_dir))
+
+
+def test_resume_from_another_runs_checkpoint_cannot_overwrite_a_run(tmp_path):
+    a, b = fake_run(tmp_path, "A", (2, 4)), fake_run(tmp_path, "B")
+    out = problem(a, str(b / "step2"))
+    assert out and str(b / "step2") in out and str(a) in out and "another run" in out
+    # its own checkpoints: by path (also relative, or through a symlinked save_dir) and latest
+    assert problem(a, str(a / "step2")) is None and problem(a, "latest") is None
+    assert problem(a, os.path.relpath(a / "step4")) is None
+    os.symlink(tmp_path, tmp_path / "link")
+    assert problem(tmp_path / "link" / "A", str(a / "step2")) is None
+    # a fresh (or only config.yaml) run may start from any checkpoint
+    assert problem(tmp_path / "C", str(b / "step2")) is None
+    (tmp_path / "D").mkdir()
+    (tmp_path / "D" / "config.yaml").write_text("x: 1\n")
+    assert problem(tmp_path / "D", str(b / "step2")) is None
+
+
+def test_bad_checkpoint_and_log_dir_are_named_before_the_model_loads(tmp_path):
+    assert "trainer.load_ckpt_from=latest but" in problem(tmp_path / "fresh", "latest")
+    (tmp_path / "half").mkdir()
+    assert "trainer.load_ckpt_from: " in problem(tmp_path / "fresh", str(tmp_path / "half"))
+    (tmp_path / "file").write_text("")
+    out = problem(tmp_path / "fresh", log_dir=str(tmp_path / "file" / "logs"))
+    assert out.startswith(f"trainer.log_dir='{tmp_path / 'file' / 'logs'}' cannot be created")
+    assert not (tmp_path / "fresh").exists()  # nothing written
+
+
+def test_keep_last_below_one_is_refused_not_every_checkpoint_deleted(tmp_path):
+    import pytest
+
+    from RL2.utils.checkpoint import _prune
+
+    run = fake_run(tmp_path, "run", (1, 2, 3))
+    for bad in (0, -1):
+        with pytest.raises(ValueError, match=f"keep_last={bad} must be >= 1"):
+            _prune(str(run), bad)
+    _prune(str(run), 2)
+    assert sorted(p.name for p in run.iterdir() if p.name.startswith("step")) == ["step2", "step3"]

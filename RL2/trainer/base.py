@@ -25,23 +25,52 @@ logger = logging.getLogger("RL2")
 def prepare_run_dir(cfg) -> str:
     """The run directory, save_dir/experiment_name. A fresh run refuses a non-empty one (its
     metrics and checkpoints would mix with the old run's); only a resume (trainer.load_ckpt_from)
-    writes into an existing run. Decided on rank 0 for every rank."""
+    writes into an existing run, and only from a checkpoint of that run. The checkpoint path and
+    trainer.log_dir are checked here too, before any model loads. Decided on rank 0 for every rank."""
     t = cfg.trainer
     run_dir = os.path.abspath(os.path.join(t.save_dir, t.experiment_name))
     error = [None]
     if is_rank0():
-        # A config.yaml alone is a run that stopped before its first step (e.g. on bad data).
-        if not t.load_ckpt_from and os.path.isdir(run_dir) and set(os.listdir(run_dir)) - {"config.yaml"}:
-            error[0] = (f"the run directory {run_dir} is not empty: pick a new "
-                        f"trainer.experiment_name (or trainer.save_dir), delete it, or resume "
-                        f"with trainer.load_ckpt_from=latest")
-        else:
-            os.makedirs(run_dir, exist_ok=True)
+        error[0] = _run_dir_problem(t, run_dir)
+        if error[0] is None:
+            try:
+                os.makedirs(run_dir, exist_ok=True)
+            except OSError as e:
+                error[0] = f"trainer.save_dir={t.save_dir!r}: cannot create the run directory {run_dir}: {e}"
+        if error[0] is None:
             OmegaConf.save(cfg, os.path.join(run_dir, "config.yaml"))
     dist.broadcast_object_list(error, src=0)
     if error[0]:
         raise SystemExit(error[0])
     return run_dir
+
+
+def _run_dir_problem(t, run_dir: str) -> str | None:
+    """Why the run cannot start in `run_dir` (rank 0; nothing is written), or None."""
+    # A config.yaml alone is a run that stopped before its first step (e.g. on bad data).
+    used = os.path.isdir(run_dir) and bool(set(os.listdir(run_dir)) - {"config.yaml"})
+    src = t.load_ckpt_from
+    if not src and used:
+        return (f"the run directory {run_dir} is not empty: pick a new trainer.experiment_name "
+                f"(or trainer.save_dir), delete it, or resume with trainer.load_ckpt_from=latest")
+    if src:
+        try:
+            path = os.path.realpath(checkpoint.resolve_ckpt(src, run_dir))
+        except FileNotFoundError as e:
+            return str(e)
+        # A resume cuts the run's metrics and dumps back to the checkpoint's step and rewrites
+        # config.yaml and final/: another run's checkpoint would destroy this run's later steps.
+        if used and os.path.commonpath([path, os.path.realpath(run_dir)]) != os.path.realpath(run_dir):
+            return (f"trainer.load_ckpt_from={src} is a checkpoint of another run, but the run directory "
+                    f"{run_dir} already holds a run that resuming would overwrite: start from it in a new "
+                    f"trainer.experiment_name (or trainer.save_dir), or resume {run_dir} from its own "
+                    f"checkpoint (trainer.load_ckpt_from=latest)")
+    if t.log_dir:
+        try:
+            os.makedirs(t.log_dir, exist_ok=True)
+        except OSError as e:
+            return f"trainer.log_dir={t.log_dir!r} cannot be created: {e}"
+    return None
 
 
 def load_tokenizer(worker_cfg):

@@ -105,7 +105,8 @@ def resolve_ckpt(path: str, run_dir: str) -> str:
         with open(latest) as f:
             path = os.path.join(run_dir, f.read().strip())
     if not os.path.isfile(os.path.join(path, "trainer_state.json")):
-        raise FileNotFoundError(f"{path} is not a complete RL2 checkpoint (no trainer_state.json)")
+        raise FileNotFoundError(f"trainer.load_ckpt_from: {path} is not a complete RL2 checkpoint "
+                                f"(no trainer_state.json)")
     return path
 
 
@@ -152,6 +153,8 @@ def save_checkpoint(run_dir: str, step: int, workers: dict, tokenizer, trainer_s
 
 
 def _prune(run_dir: str, keep_last: int):
+    if keep_last < 1:  # steps[:-0] keeps none, steps[:-(-1)] all: every checkpoint would go
+        raise ValueError(f"keep_last={keep_last} must be >= 1")
     steps = sorted(int(d[4:]) for d in os.listdir(run_dir)
                    if d.startswith("step") and d[4:].isdigit())
     for s in steps[:-keep_last]:

@@ -202,6 +202,14 @@ def test_refills_are_bounded_and_failures_over_budget_stop_the_run(tmp_path, mon
     (["actor.rollout.tp_size=0"], "actor.rollout.tp_size=0"),
     (["actor.rollout.tp_size=all"], "actor.rollout.tp_size='all'"),
     (["actor.rollout.max_staleness=1", "actor.rollout.tp_size=2"], "tp_size=1 or auto"),
+    (["actor.rollout.responses_per_prompt=0"], r"actor.rollout.responses_per_prompt=0 must be an integer >= 1"),
+    (["actor.rollout.prompts_per_rollout=0"], r"actor.rollout.prompts_per_rollout=0 must be an integer >= 1"),
+    (["actor.rollout.max_turns=0"], r"actor.rollout.max_turns=0 must be an integer >= 1"),
+    (["actor.rollout.train_sampling_params.max_new_tokens=0"], r"train_sampling_params.max_new_tokens must be"),
+    (["actor.rollout.test_sampling_params.temperature=-1"], r"test_sampling_params.temperature must be >= 0"),
+    (["actor.rollout.train_sampling_params.top_p=0"], r"train_sampling_params.top_p must be in \(0, 1\]"),
+    (["actor.rollout.test_sampling_params.top_p=1.5"], r"test_sampling_params.top_p must be in \(0, 1\]"),
+    (["actor.rollout.train_sampling_params.top_k=-2"], r"train_sampling_params.top_k must be an int >= -1"),
 ])
 def test_bad_configs_stop_with_the_key_to_change(overrides, message):
     with pytest.raises(SystemExit, match=message):

@@ -13,7 +13,7 @@ from RL2.data.io import load_rows, split_train_test
 from RL2.data.loader import StepSampler, eval_batches
 from RL2.parallel.mesh import init_distributed
 from RL2.utils import checkpoint
-from RL2.utils.config import check_optimizer_config, load_config
+from RL2.utils.config import check_optimizer_config, check_run_config, load_config, missing_local_paths
 from RL2.utils.logging import MetricLogger, drop_dumps_after, is_rank0, setup_logging
 from RL2.utils.process import die_with_torchrun_agent
 from RL2.utils.seeding import seed_everything
@@ -83,6 +83,20 @@ def load_tokenizer(worker_cfg):
     return tokenizer
 
 
+def row_hint(source, i: int, n_rows: int) -> str:
+    """Where row `i` (of the `n_rows` read from `source`) is: its line in a JSON Lines file
+    that holds exactly those rows (the loader skips blank lines), else how rows are counted."""
+    path = os.path.expanduser(str(source))
+    if os.path.splitext(path)[1].lower() in (".jsonl", ".json") and os.path.isfile(path):
+        with open(path, encoding="utf-8", errors="replace") as f:
+            text = f.read()
+        lines = [n for n, line in enumerate(text.split("\n"), 1) if line.strip()]
+        if len(lines) == n_rows and not text.lstrip().startswith("["):  # not one JSON document
+            return f"rows count from 0: row {i} is line {lines[i]} of {source}"
+    return (f"rows count from 0 in file order, blank lines and a CSV header not counted, and after a "
+            f"data.test_ratio split within that split's part: row {i} is data row number {i + 1}")
+
+
 class AdaptersOff:
     """A LoRA worker seen as its frozen base model: every method runs with the adapters off."""
 
@@ -133,6 +147,10 @@ class Trainer:
         from RL2.workers import lora
 
         check_optimizer_config(self.cfg)
+        check_run_config(self.cfg)
+        problems = missing_local_paths(self.model_paths())
+        if problems:
+            raise SystemExit("invalid config:\n  " + "\n  ".join(problems))
         for name in ("actor", "critic"):
             w = self.cfg.get(name)
             if w is None:
@@ -145,11 +163,20 @@ class Trainer:
             except ValueError as e:
                 raise SystemExit(f"{name}: {e}".replace("actor.", f"{name}."))
 
+    def model_paths(self) -> dict:
+        """{config key: path} of every model and tokenizer the run loads (checked up front)."""
+        a = self.cfg.actor
+        return {"actor.model_name": a.model_name, "actor.tokenizer_name": a.tokenizer_name}
+
     # ----- data -----
     def load_splits(self, tokenize) -> tuple[list, list]:
         """Tokenise train and test rows up front (bad rows stop the run here, before any model
         is built, unless data.train.skip_bad_rows counts and skips them)."""
         data = self.cfg.data
+        for split in ("train", "test"):
+            if not isinstance(data[split].path, (str, type(None))):
+                raise SystemExit(f"data.{split}.path is a list: a weighted mixture of datasets is supported "
+                                 f"by the PPO trainer only; give one path (file, directory or hub name)")
         try:  # empty, malformed, missing: a message naming the file (and line), no traceback
             rows = load_rows(data.train.path)
             test_rows, test_source = None, None
@@ -172,8 +199,8 @@ class Trainer:
                 out.append(tokenize(row, row_index=i, source=source))
             except ValueError as e:
                 if not self.cfg.data.train.skip_bad_rows:
-                    raise SystemExit(f"bad data: {e}\n(rows count from 0: row {i} is line {i + 1} of a JSON "
-                                     f"Lines file; set data.train.skip_bad_rows=true to skip and count such rows)")
+                    raise SystemExit(f"bad data: {e}\n({row_hint(source, i, len(rows))}; set "
+                                     f"data.train.skip_bad_rows=true to skip and count such rows)")
                 skipped += 1
                 if skipped <= 5:
                     logger.warning(f"skipping: {e}")

@@ -27,10 +27,11 @@ from RL2.rollout.engine import resolve_engine_kind
 from RL2.rollout.env import EnvError, load_env
 from RL2.rollout.producer import INFLIGHT_MODES, Producer, drop_stale
 from RL2.rollout.remote import check_placement
-from RL2.rollout.rollout import Rollout, check_lora_sync
+from RL2.rollout.rollout import Rollout, check_lora_sync, sampling_params
 from RL2.rollout.weight_sync import TRANSPORTS
 from RL2.trainer.base import AdaptersOff, Trainer
 from RL2.utils import checkpoint, onednn
+from RL2.utils.config import count_problem
 from RL2.utils.seeding import derive_seed
 from RL2.workers.actor import Actor
 
@@ -103,6 +104,13 @@ def _algorithm_problems(cfg) -> list[str]:
 
 def _rollout_problems(r) -> list[str]:
     problems, n = [], r.responses_per_prompt
+    for key in ("prompts_per_rollout", "responses_per_prompt", "test_responses_per_prompt", "max_turns"):
+        problems += count_problem(f"actor.rollout.{key}", r[key])
+    for split in ("train", "test"):
+        try:  # the engines' own check of the values, before any engine exists
+            sampling_params(r[f"{split}_sampling_params"])
+        except ValueError as e:
+            problems.append(f"actor.rollout.{split}_sampling_params.{e}")
     if r.dynamic_filtering and n < 2:
         problems.append("actor.rollout.dynamic_filtering drops groups with equal rewards: "
                         "it needs actor.rollout.responses_per_prompt >= 2")
@@ -175,7 +183,7 @@ class PPOTrainer(Trainer):
                            max_length=d.max_length, prompt_required=not self.env.has_reset)
         try:  # a list of {path, weight} mixes datasets (RL2/data/mixture.py)
             mixed = load_mixed_splits(cfg.data, cfg.trainer.seed, partial(self._tokenize_all, tokenize=tokenize))
-        except ValueError as e:
+        except (ValueError, FileNotFoundError) as e:  # a bad entry, or a source's file empty, malformed, missing
             raise SystemExit(f"bad data config: {e}") from None
         splits = mixed[:2] if mixed else self.load_splits(tokenize)
         self.train_prompts, self.test_prompts = [self._index(p) for p in splits]
@@ -205,6 +213,13 @@ class PPOTrainer(Trainer):
         # the engine serves exactly the trainer's weights; asynchronous: a copy of its own
         sync = self.rollout.sync(self.actor.model, share=not self.async_k, version=self.step)
         logger.info(f"initial weight sync: {sync}")
+
+    def model_paths(self) -> dict:
+        paths = super().model_paths()
+        if self.cfg.adv.estimator == "gae":
+            paths["critic.model_name"] = self.cfg.critic.model_name
+        paths["actor.rollout.reward_model"] = self.cfg.actor.rollout.reward_model
+        return paths
 
     @staticmethod
     def _index(prompts: list[dict]) -> list[dict]:

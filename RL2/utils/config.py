@@ -1,5 +1,6 @@
 """Hydra configs: compose `RL2/config/<name>.yaml` with `key=value` overrides (struct mode:
 an unknown key is an error), with no per-rank output directories."""
+import os
 import sys
 
 import torch
@@ -75,6 +76,54 @@ def check_optimizer_config(cfg: DictConfig) -> None:
             problems.append(f"{name}.max_grad_norm={w.max_grad_norm} must be > 0 (or null)")
     if problems:
         raise SystemExit("invalid config:\n  " + "\n  ".join(problems))
+
+
+def count_problem(key: str, value, nullable: bool = False) -> list[str]:
+    """[] if `value` is an integer >= 1 (or None where `nullable`), else the problem naming `key`.
+    A count of 0 or below would crash after the model loads, or mean something else silently
+    (a negative max_length cuts tokens, a negative frequency fires every step)."""
+    if value is None and nullable:
+        return []
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+        return []
+    return [f"{key}={value!r} must be an integer >= 1" + (" (or null)" if nullable else "")]
+
+
+def check_run_config(cfg: DictConfig) -> None:
+    """trainer.* step counts and frequencies and data.* sizes of every trainer, checked before any
+    data or model is loaded. Raises SystemExit naming each bad key."""
+    t, problems = cfg.trainer, []
+    problems += count_problem("trainer.n_epochs", t.n_epochs)
+    for key in ("total_steps", "save_freq", "test_freq", "keep_last"):  # null: off / keep all
+        problems += count_problem(f"trainer.{key}", t[key], nullable=True)
+    for split in ("train", "test"):
+        d = cfg.get("data", {}).get(split) or {}
+        for key in ("batch_size", "max_length"):
+            if key in d:
+                problems += count_problem(f"data.{split}.{key}", d[key])
+    if problems:
+        raise SystemExit("invalid config:\n  " + "\n  ".join(problems))
+
+
+def looks_local(path) -> bool:
+    """A model path meant as a local directory (HF reads anything else as a hub repo id)."""
+    return isinstance(path, str) and (os.path.isabs(path) or path in (".", "..", "~")
+                                      or path.startswith(("./", "../", "~/")))
+
+
+def missing_local_paths(paths: dict) -> list[str]:
+    """{key: path} -> a problem for each local-looking path that does not exist (HF would report
+    a malformed repo id instead, and only when that model is loaded)."""
+    problems = []
+    for key, path in paths.items():
+        if not looks_local(path):
+            continue
+        full = os.path.expanduser(path)
+        if not os.path.exists(full):
+            problems.append(f"{key}={path!r}: no such local directory")
+        elif full != path:  # HF loaders do not expand ~ (they take it for a repo id)
+            problems.append(f"{key}={path!r}: give the full path {full!r} (~ is not expanded when loading)")
+    return problems
 
 
 def resolve_dtype(name: str, device: str) -> torch.dtype:

@@ -34,8 +34,85 @@ def test_csv_parquet_arrow(tmp_path):
     ds.to_parquet(str(tmp_path / "rows.parquet"))
     ds.save_to_disk(str(tmp_path / "saved"))
     arrow = next((tmp_path / "saved").glob("*.arrow"))
-    for path in (tmp_path / "rows.csv", tmp_path / "rows.parquet", arrow):
+    for path in (tmp_path / "rows.parquet", arrow):
         assert as_list(load_rows(str(path))) == ROWS, path
+    # CSV has no types: every cell stays the string the csv module reads.
+    assert as_list(load_rows(str(tmp_path / "rows.csv"))) == [{k: str(v) for k, v in r.items()} for r in ROWS]
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def test_mixed_str_and_messages_column_stays_as_written(tmp_path):
+    # README allows a response as text or as assistant messages, row by row.
+    rows = ([{"prompt": "What is 2 plus 2?", "response": "4"}] * 6
+            + [{"prompt": "Say hi", "response": [{"role": "assistant", "content": "hello"}]}] * 2)
+    got = as_list(load_rows(write_jsonl(tmp_path / "mixed.jsonl", rows)))
+    assert got == rows and got[0]["response"] == "4" and isinstance(got[0]["response"], str)
+
+
+def test_nested_answer_keeps_each_rows_type(tmp_path):
+    # PPO answers: numeric-looking strings in 63 rows, an int in one; an env comparing strings
+    # must get strings.
+    rows = [{"prompt": f"q{i}", "extra_info": {"answer": str(i)}} for i in range(63)]
+    rows.append({"prompt": "q63", "extra_info": {"answer": 63}})
+    for name in ("ppo.jsonl", "ppo.json"):
+        path = tmp_path / name
+        path.write_text(json.dumps(rows) if name.endswith(".json") else "".join(json.dumps(r) + "\n" for r in rows))
+        got = as_list(load_rows(str(path)))
+        assert got == rows, name
+        assert [type(r["extra_info"]["answer"]) for r in got] == [str] * 63 + [int]
+
+
+def test_json_looking_strings_stay_strings(tmp_path):
+    rows = [{"prompt": "p", "response": v} for v in ("null", "[1]", "{}", "true", "1.5", "4")]
+    rows.append({"prompt": "p", "response": [{"role": "assistant", "content": "[1]"}]})
+    assert as_list(load_rows(write_jsonl(tmp_path / "s.jsonl", rows))) == rows
+
+
+def test_csv_cells_stay_strings(tmp_path):
+    path = tmp_path / "nums.csv"
+    path.write_text('prompt,response\nWhat is 2 plus 2?,4\n"Say ""7""",007\nHalf?,0.5\n')
+    assert as_list(load_rows(str(path))) == [{"prompt": "What is 2 plus 2?", "response": "4"},
+                                             {"prompt": 'Say "7"', "response": "007"},
+                                             {"prompt": "Half?", "response": "0.5"}]
+    d = tmp_path / "csvdir"
+    d.mkdir()
+    (d / "train.csv").write_text("prompt,response\nq,1\n")
+    (d / "test.csv").write_text("prompt,response\nq,2\n")
+    assert as_list(load_rows(str(d), split="test")) == [{"prompt": "q", "response": "2"}]
+
+
+def test_malformed_and_empty_files_name_file_and_line(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "hi", "response": "x"}\n{"prompt": "hi", "response": \n')
+    with pytest.raises(ValueError, match=r"bad\.jsonl': line 2 is not valid JSON"):
+        load_rows(str(bad))
+    bad.write_text('{"prompt": "hi", "response": "x"}\n["not", "an", "object"]\n')
+    with pytest.raises(ValueError, match=r"bad\.jsonl': line 2 is a JSON list, not an object"):
+        load_rows(str(bad))
+    (tmp_path / "empty.jsonl").write_text("\n  \n")
+    with pytest.raises(ValueError, match=r"data file '.*empty\.jsonl' is empty"):
+        load_rows(str(tmp_path / "empty.jsonl"))
+    (tmp_path / "none.json").write_text("[]")
+    with pytest.raises(ValueError, match=r"none\.json' has no rows"):
+        load_rows(str(tmp_path / "none.json"))
+    (tmp_path / "ragged.csv").write_text("prompt,response\na,b\nc,d,e\n")
+    with pytest.raises(ValueError, match=r"ragged\.csv': line 3 has 3 field"):
+        load_rows(str(tmp_path / "ragged.csv"))
+    (tmp_path / "head.csv").write_text("prompt,response\n")
+    with pytest.raises(ValueError, match=r"head\.csv' has no rows"):
+        load_rows(str(tmp_path / "head.csv"))
+
+
+def test_pretty_printed_object_and_bom(tmp_path):
+    row = {"prompt": "p", "response": "4"}
+    (tmp_path / "one.json").write_text(json.dumps(row, indent=2))
+    assert as_list(load_rows(str(tmp_path / "one.json"))) == [row]
+    (tmp_path / "bom.jsonl").write_text(json.dumps(row) + "\n", encoding="utf-8-sig")
+    assert as_list(load_rows(str(tmp_path / "bom.jsonl"))) == [row]
 
 
 def test_save_to_disk_dirs(tmp_path):

@@ -125,6 +125,23 @@ def test_parallel_equals_serial(assets, serial, tmp_path, name, dtype, rtol):
         assert_close(train_rows(tmp_path, key), train_rows(serial(dtype), key), rtol, key, atol=rtol / 10)
 
 
+def test_csv_string_labels(assets, tmp_path):
+    from RL2.data.formats import DataError
+    from RL2.data.io import load_rows
+    from RL2.trainer.kto import tokenize_unpaired
+    from RL2.utils.config import load_config
+
+    path = tmp_path / "kto.csv"  # CSV cells reach the trainer as strings
+    path.write_text("prompt,completion,label\nq,a,True\nq,b,false\nq,c,1\nq,d,0\nq,e,yes\n")
+    d = load_config("kto", [f"actor.model_name={assets['model']}", f"data.train.path={path}"]).data.train
+    rows = load_rows(str(path))
+    got = [tokenize_unpaired(rows[i], i, "kto.csv", tokenizer=assets["tokenizer"], d=d)["desirable"]
+           for i in range(4)]
+    assert got == [True, False, True, False]
+    with pytest.raises(DataError, match="row 4: key 'label' must be true"):
+        tokenize_unpaired(rows[4], 4, "kto.csv", tokenizer=assets["tokenizer"], d=d)
+
+
 def test_bad_label_names_row_and_key(assets, tmp_path):
     path = tmp_path / "bad.jsonl"
     write_rows(path, [{"prompt": "q", "completion": "a", "label": True},

@@ -6,12 +6,15 @@ Accepted `path` forms (see `load_rows`):
     data/my_ds/                                              `save_to_disk` output or a folder of data files
     org/dataset        train@org/dataset                     a hub dataset (optionally `split@name`)
 """
+import csv
 import json
 import logging
 import os
 import random
+from pathlib import Path
 
 import datasets
+from datasets.data_files import DataFilesDict, get_data_patterns
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +52,7 @@ def _pick_split(ds, split: str | None, path: str) -> datasets.Dataset:
     return ds[split]
 
 
-def _load_dir(path: str, split: str | None) -> datasets.Dataset:
+def _load_dir(path: str, split: str | None) -> "datasets.Dataset | list[dict]":
     # `save_to_disk` writes state.json (Dataset) or dataset_dict.json (DatasetDict).
     if os.path.exists(os.path.join(path, "state.json")) or os.path.exists(
         os.path.join(path, "dataset_dict.json")
@@ -69,9 +72,23 @@ def _load_dir(path: str, split: str | None) -> datasets.Dataset:
     builders = {_builder_for(f) for f in files}
     if len(builders) > 1:
         raise ValueError(f"directory '{path}' mixes data file types: {sorted(builders)}")
-    # Let `datasets` infer splits from file names (train.jsonl, test-00000.parquet, ...).
-    ds = datasets.load_dataset(builders.pop(), data_dir=path)
-    return _pick_split(ds, split, path)
+    builder = builders.pop()
+    if builder in ("parquet", "arrow"):  # typed files: their own schema is authoritative
+        # Let `datasets` infer splits from file names (train.jsonl, test-00000.parquet, ...).
+        return _pick_split(datasets.load_dataset(builder, data_dir=path), split, path)
+    # JSON/CSV: the same split inference as `load_dataset(data_dir=...)`, but the files are
+    # read by `_read_text_rows` so that no value is retyped.
+    base = Path(path).expanduser().resolve().as_posix()
+    splits = DataFilesDict.from_patterns(get_data_patterns(base), base_path=base)
+    files = [f for f in _pick_split(splits, split, path) if _builder_for_or_none(f) == builder]
+    rows = [r for f in files for r in _read_text_rows(f, f, builder, allow_empty=True)]
+    if not rows:
+        raise ValueError(f"directory '{path}' holds no rows for split '{split or 'train'}'")
+    return rows
+
+
+def _builder_for_or_none(path: str) -> str | None:
+    return BUILDERS.get(os.path.splitext(path)[1].lower())
 
 
 def _looks_local(path: str) -> bool:
@@ -83,8 +100,10 @@ def _looks_local(path: str) -> bool:
     )
 
 
-def load_rows(path: str, split: str | None = None) -> datasets.Dataset:
-    """Rows of a dataset as a `datasets.Dataset` (indexable; each row a dict).
+def load_rows(path: str, split: str | None = None) -> "datasets.Dataset | list[dict]":
+    """Rows of a dataset, indexable and each row a dict: a list of dicts for JSON/JSONL/CSV files
+    (each value exactly as written: what `json.loads` gives, CSV cells as strings), else a
+    `datasets.Dataset` (parquet, arrow, `save_to_disk`, hub).
 
     `path`: a local data file (json/jsonl/csv/parquet/arrow), a local directory (saved with
     `save_to_disk`, or containing data files), or a hub dataset name, optionally `split@name`.
@@ -111,12 +130,12 @@ def load_rows(path: str, split: str | None = None) -> datasets.Dataset:
     return _load_hub(path, split)
 
 
-def _load_file(expanded: str, path: str) -> datasets.Dataset:
+def _load_file(expanded: str, path: str):
     """One data file; an empty or malformed file raises a ValueError naming the file (and, for
-    JSON, the 1-based line) instead of `datasets`' StopIteration / generation errors."""
+    JSON and CSV, the 1-based line)."""
     builder = _builder_for(expanded)
-    if builder == "json" and not _json_text(expanded).strip():
-        raise ValueError(f"data file '{path}' is empty")
+    if builder in ("json", "csv"):
+        return _read_text_rows(expanded, path, builder)
     try:
         if builder == "arrow":
             # A single Arrow file (e.g. one shard of `save_to_disk`) loads without caching.
@@ -124,39 +143,109 @@ def _load_file(expanded: str, path: str) -> datasets.Dataset:
         else:
             ds = datasets.load_dataset(builder, data_files=expanded, split="train")
     except (Exception, StopIteration) as e:
-        detail = _json_problem(expanded) if builder == "json" else None
-        raise ValueError(f"cannot read data file '{path}': "
-                         f"{detail or f'{type(e).__name__}: {e}'}") from e
+        raise ValueError(f"cannot read data file '{path}': {type(e).__name__}: {e}") from e
     if len(ds) == 0:
         raise ValueError(f"data file '{path}' has no rows")
     return ds
 
 
-def _json_text(path: str) -> str:
-    with open(path, encoding="utf-8", errors="replace") as f:
-        return f.read(1 << 16)
+# JSON and CSV are read here, not by `datasets`: its type inference unifies each column across
+# rows, so a column mixing strings and lists (or strings and ints) became a `Json` feature that
+# decoded every JSON-looking string ("4" -> 4, "null" -> None), and an all-digits CSV column
+# became int64. Rows must reach the trainers exactly as written.
+def _read_text_rows(expanded: str, path: str, builder: str, allow_empty: bool = False) -> list[dict]:
+    try:
+        # utf-8-sig: a leading byte-order mark (Windows editors) is not part of the data.
+        with open(expanded, encoding="utf-8-sig", newline="" if builder == "csv" else None) as f:
+            rows = _json_rows(f) if builder == "json" else _csv_rows(f)
+    except UnicodeDecodeError as e:
+        raise ValueError(f"cannot read data file '{path}': not UTF-8 text ({e})") from e
+    except _BadFile as e:
+        raise ValueError(f"cannot read data file '{path}': {e}") from None
+    if rows is None:
+        if allow_empty:
+            return []
+        raise ValueError(f"data file '{path}' is empty")
+    if not rows and not allow_empty:
+        raise ValueError(f"data file '{path}' has no rows")
+    return rows
 
 
-def _json_problem(path: str) -> str | None:
-    """The first malformed line of a JSON Lines file (1-based), or the JSON error of a .json."""
-    with open(path, encoding="utf-8", errors="replace") as f:
-        text = f.read()
-    if text.lstrip().startswith("["):  # one JSON document
-        try:
-            json.loads(text)
-        except json.JSONDecodeError as e:
-            return f"invalid JSON at line {e.lineno}, column {e.colno}: {e.msg}"
+class _BadFile(Exception):
+    """A malformed JSON/CSV file; the message says where (1-based line)."""
+
+
+def _json_rows(f) -> list[dict] | None:
+    """A JSON array of objects, one (possibly pretty-printed) object, or JSON Lines; None if the
+    file holds only whitespace."""
+    first = _first_char(f)
+    if first is None:
         return None
-    for lineno, line in enumerate(text.splitlines(), 1):
+    if first == "[":  # one JSON document
+        try:
+            doc = json.load(f)
+        except json.JSONDecodeError as e:
+            raise _BadFile(f"invalid JSON at line {e.lineno}, column {e.colno}: {e.msg}") from None
+        for i, row in enumerate(doc):
+            if not isinstance(row, dict):
+                raise _BadFile(f"item {i} of the JSON array is a JSON {type(row).__name__}, "
+                               f"not an object with keys")
+        return doc
+    rows = []
+    for lineno, line in enumerate(f, 1):
         if not line.strip():
             continue
         try:
             row = json.loads(line)
         except json.JSONDecodeError as e:
-            return f"line {lineno} is not valid JSON (column {e.colno}: {e.msg})"
+            if not rows:  # maybe one pretty-printed object (which `datasets` read as one row)
+                f.seek(0)
+                try:
+                    doc = json.load(f)
+                except json.JSONDecodeError:
+                    doc = None
+                if isinstance(doc, dict):
+                    return [doc]
+            raise _BadFile(f"line {lineno} is not valid JSON (column {e.colno}: {e.msg})") from None
         if not isinstance(row, dict):
-            return f"line {lineno} is a JSON {type(row).__name__}, not an object with keys"
+            raise _BadFile(f"line {lineno} is a JSON {type(row).__name__}, not an object with keys")
+        rows.append(row)
+    return rows
+
+
+def _first_char(f) -> str | None:
+    """The first non-whitespace character of text file `f` (None: none); rewinds `f`."""
+    while chunk := f.read(1 << 16):
+        if stripped := chunk.lstrip():
+            f.seek(0)
+            return stripped[0]
+    f.seek(0)
     return None
+
+
+def _csv_rows(f) -> list[dict] | None:
+    """Rows of a CSV file with a header line; every cell a string, as the csv module reads it."""
+    # A long response can exceed the csv module's default 128 KiB per field.
+    csv.field_size_limit(max(csv.field_size_limit(), 2**31 - 1))
+    reader = csv.reader(f)
+    try:
+        header = next(reader, None)
+        if header is None:
+            return None
+        if len(set(header)) != len(header):
+            dup = sorted({h for h in header if header.count(h) > 1})
+            raise _BadFile(f"line 1 (the header) repeats column name(s) {dup}")
+        rows = []
+        for cells in reader:
+            if not cells:  # a blank line
+                continue
+            if len(cells) != len(header):
+                raise _BadFile(f"line {reader.line_num} has {len(cells)} field(s), the header "
+                               f"has {len(header)}")
+            rows.append(dict(zip(header, cells)))
+    except csv.Error as e:
+        raise _BadFile(f"line {reader.line_num} is not valid CSV ({e})") from None
+    return rows
 
 
 def _load_hub(name: str, split: str | None) -> datasets.Dataset:

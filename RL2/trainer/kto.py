@@ -43,9 +43,14 @@ def kl_estimate(kl_logps: torch.Tensor, kl_ref_logps: torch.Tensor) -> float:
 
 
 # ----- data -----
+_LABEL_WORDS = {"true": True, "false": False, "1": True, "0": False}
+
+
 def tokenize_unpaired(row, row_index, source, *, tokenizer, d) -> dict:
     """{"sample": SFT-style sample (loss mask on the completion), "desirable": bool}."""
     label = row.get(d.label_key) if hasattr(row, "get") else None
+    if isinstance(label, str):  # CSV cells are strings (RL2/data/io.py): "true", "False", "1", ...
+        label = _LABEL_WORDS.get(label.strip().lower(), label)
     if not (isinstance(label, bool) or label in (0, 1)):
         raise DataError(f"{source} row {row_index}: key '{d.label_key}' must be true (desirable) "
                         f"or false (undesirable), got {label!r}")

@@ -93,18 +93,13 @@ def test_malformed_and_empty_files_name_file_and_line(tmp_path):
     bad.write_text('{"prompt": "hi", "response": "x"}\n["not", "an", "object"]\n')
     with pytest.raises(ValueError, match=r"bad\.jsonl': line 2 is a JSON list, not an object"):
         load_rows(str(bad))
-    (tmp_path / "empty.jsonl").write_text("\n  \n")
-    with pytest.raises(ValueError, match=r"data file '.*empty\.jsonl' is empty"):
-        load_rows(str(tmp_path / "empty.jsonl"))
-    (tmp_path / "none.json").write_text("[]")
-    with pytest.raises(ValueError, match=r"none\.json' has no rows"):
-        load_rows(str(tmp_path / "none.json"))
-    (tmp_path / "ragged.csv").write_text("prompt,response\na,b\nc,d,e\n")
-    with pytest.raises(ValueError, match=r"ragged\.csv': line 3 has 3 field"):
-        load_rows(str(tmp_path / "ragged.csv"))
-    (tmp_path / "head.csv").write_text("prompt,response\n")
-    with pytest.raises(ValueError, match=r"head\.csv' has no rows"):
-        load_rows(str(tmp_path / "head.csv"))
+    for name, text, message in (("empty.jsonl", "\n  \n", r"data file '.*empty\.jsonl' is empty"),
+                                ("none.json", "[]", r"none\.json' has no rows"),
+                                ("ragged.csv", "prompt,response\na,b\nc,d,e\n", r"ragged\.csv': line 3 has 3 field"),
+                                ("head.csv", "prompt,response\n", r"head\.csv' has no rows")):
+        (tmp_path / name).write_text(text)
+        with pytest.raises(ValueError, match=message):
+            load_rows(str(tmp_path / name))
 
 
 def test_pretty_printed_object_and_bom(tmp_path):

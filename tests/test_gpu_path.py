@@ -329,12 +329,22 @@ def test_transfer_threads_run_on_the_callers_cuda_device(monkeypatch):
 
 
 def _mesh_timeouts(rank, world):
+    import os
+
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.distributed_c10d import Backend, _get_default_timeout
 
     from RL2.parallel.mesh import init_distributed
+    from RL2.utils.process import port_below_ephemeral
 
-    dist.destroy_process_group()  # run_dist's own group: RL2's set-up makes the default group
+    # run_dist's own group goes: RL2's set-up makes the default group. On a fresh port (drawn
+    # while the old store holds its own): a rank that re-joins first must not reach the old
+    # store, which the other rank may not have torn down yet (CI hung there)
+    port = [port_below_ephemeral(host="127.0.0.1") if rank == 0 else None]
+    dist.broadcast_object_list(port, src=0)
+    dist.barrier()
+    dist.destroy_process_group()
+    os.environ["MASTER_PORT"] = str(port[0])
     init_distributed("cpu", 1234.0)
     mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("a", "b"))
     groups = [dist.group.WORLD, mesh.get_group("a"), mesh.get_group("b")]
@@ -353,7 +363,7 @@ def test_every_group_waits_as_long_as_the_config_says(monkeypatch):
 
     from RL2.parallel import mesh
 
-    assert run_dist(_mesh_timeouts, 2)[0] == ([1234.0] * 3, 1234.0)
+    assert run_dist(_mesh_timeouts, 2, timeout=120)[0] == ([1234.0] * 3, 1234.0)
     calls = []
     monkeypatch.setattr(dist, "is_initialized", lambda: False)
     monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: calls.append((backend, kw)))

@@ -54,6 +54,55 @@ def test_an_env_that_exits_at_load_is_an_error_naming_it(tmp_path, where):
         load_env(path, {})
 
 
+@pytest.mark.parametrize("where", ["import", "configure"])
+def test_an_env_that_hangs_at_load_is_an_error_naming_it(tmp_path, monkeypatch, where):
+    """A script that sleeps (or waits on a dead server) at import or in configure hung start-up:
+    the in-process load had no bound, unlike the env workers' STARTUP_TIMEOUT."""
+    from RL2.rollout import env_workers
+
+    monkeypatch.setattr(env_workers, "STARTUP_TIMEOUT", 0.5)
+    body = "time.sleep(60)" if where == "import" else "def configure(**kw):\n    time.sleep(60)"
+    path = write_env(tmp_path, f"import time\n{body}\ndef step(s, a, e):\n    pass\n")
+    start = time.monotonic()
+    with pytest.raises(EnvError, match=r"my_env.py did not finish within 0.5s") as info:
+        load_env(path, {}, timeout=0.5)
+    assert time.monotonic() - start < 10
+    assert ("importing" if where == "import" else "configure") in str(info.value)
+    # a load that ends in time leaves no interrupt behind for the code that follows it
+    monkeypatch.setattr(env_workers, "STARTUP_TIMEOUT", 1.0)
+    load_env(write_env(tmp_path, "import time\ntime.sleep(0.2)\ndef step(s, a, e):\n    pass\n"), {})
+    time.sleep(1.5)
+
+
+def test_an_env_that_ignores_the_interrupt_at_load_exits_the_process(tmp_path):
+    """Past the grace period, a load that swallows every KeyboardInterrupt ends the process with
+    status 1 and a message, instead of hanging it."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    path = write_env(tmp_path, """
+        import time
+        while True:
+            try:
+                time.sleep(60)
+            except KeyboardInterrupt:
+                pass
+        def step(s, a, e):
+            pass
+    """)
+    code = ("import logging; logging.basicConfig()\n"
+            "from RL2.rollout import env, env_workers\n"
+            "env_workers.STARTUP_TIMEOUT = 0.5; env._LoadDeadline.grace = 1.0\n"
+            f"env.load_env({path!r}, {{}}, timeout=0.5)\n")
+    root = str(Path(__file__).resolve().parents[1])
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         cwd=root, env=dict(os.environ, PYTHONPATH=root))
+    assert out.returncode == 1, out.stderr[-2000:]
+    assert "still has not returned; exiting" in out.stderr
+
+
 # ---------------------------------------------------------------- env_args, sync/async, reset
 ECHO = """
     CONFIG = {}

@@ -27,7 +27,8 @@ Where hooks run and how timeouts (`timeout` seconds, None or <= 0 disables) fire
   loop for longer than the timeout, and such a call fails with EnvTimeout when it returns; one
   that blocks it past 2 x the timeout + 30 s stops the run (`LoopWatchdog`).
 Any exception from user code, BaseException included (SystemExit, ...), is an EnvError that fails
-the trajectory; only KeyboardInterrupt and cancellation propagate.
+the trajectory; only KeyboardInterrupt and cancellation propagate. The in-process import and
+configure() at load have the workers' start-up bound (`_LoadDeadline`).
 """
 import asyncio
 import contextvars
@@ -44,6 +45,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from RL2.rollout import env_workers
 from RL2.rollout.env_workers import EnvWorkerPool, WorkerError
 
 logger = logging.getLogger(__name__)
@@ -351,10 +353,57 @@ def _import_script(path: Path):
     sys.modules[name] = module
     try:
         spec.loader.exec_module(module)
-    except (Exception, SystemExit) as e:  # sys.exit or argparse at import would end the run silently
+    except BaseException as e:
         del sys.modules[name]
-        raise EnvError(f"importing env_path {path} failed: {type(e).__name__}: {e}") from e
+        if isinstance(e, (Exception, SystemExit)):  # sys.exit or argparse at import would end the run silently
+            raise EnvError(f"importing env_path {path} failed: {type(e).__name__}: {e}") from e
+        raise
     return module
+
+
+class _LoadDeadline:
+    """Bounds the in-process import and configure() of an env script, as the env workers'
+    STARTUP_TIMEOUT bounds theirs: a script that sleeps or waits on a dead server at import
+    would otherwise hang start-up. Past `limit` seconds a daemon thread sends SIGINT to the main
+    thread once a second (a real signal ends a blocking sleep or socket wait; the
+    KeyboardInterrupt becomes an EnvError), and `grace` seconds later, if the call still has
+    not returned (C code that never checks for signals), exits the process with status 1.
+    Off the main thread nothing can interrupt the call: there it only logs."""
+
+    grace = 30.0
+
+    def __init__(self, limit: float, what: str):
+        self.limit, self.what = limit, what
+        self.fired = False
+        self._done = threading.Event()
+
+    def _watch(self) -> None:
+        if self._done.wait(self.limit):
+            return
+        self.fired = True
+        logger.critical("%s has not finished after %gs; interrupting it", self.what, self.limit)
+        start = time.monotonic()
+        while not self._done.is_set():
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+            if self._done.wait(1.0):
+                return
+            if time.monotonic() - start > self.grace:
+                logger.critical("%s still has not returned; exiting", self.what)
+                for handler in logging.getLogger().handlers:
+                    handler.flush()
+                os._exit(1)
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            threading.Thread(target=self._watch, daemon=True, name="rl2-env-load-deadline").start()
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        self._done.set()
+        if self.fired and exc_type is KeyboardInterrupt:
+            raise EnvError(f"{self.what} did not finish within {self.limit:g}s (the start-up "
+                           "bound of an env script's import and configure)") from None
+        return False
 
 
 def load_env(env_path: str, env_args: dict | None = None, timeout: float | None = 60.0,
@@ -367,7 +416,9 @@ def load_env(env_path: str, env_args: dict | None = None, timeout: float | None 
     path = Path(env_path).expanduser().resolve()
     if not path.is_file():
         raise EnvError(f"env_path {env_path} does not exist (resolved to {path})")
-    module = _import_script(path)
+    limit = max(env_workers.STARTUP_TIMEOUT, timeout or 0)  # the env workers' own start-up bound
+    with _LoadDeadline(limit, f"importing env_path {env_path}"):
+        module = _import_script(path)
     step = getattr(module, "step", None)
     if step is None:
         raise EnvError(f"env_path {env_path} defines no step(state, action, extra_info) function")
@@ -379,7 +430,10 @@ def load_env(env_path: str, env_args: dict | None = None, timeout: float | None 
     configure = getattr(module, "configure", None)
     if configure is not None:
         try:
-            configure(**env_args)
+            with _LoadDeadline(limit, f"configure(**env_args) of env {env_path}"):
+                configure(**env_args)
+        except EnvError:
+            raise
         except (Exception, SystemExit) as e:
             raise EnvError(f"configure(**env_args) of env {env_path} failed: {type(e).__name__}: {e}") from e
     env = Env(module, str(env_path), env_args, timeout, workers)

@@ -21,12 +21,13 @@ def _batches():
     return [(torch.randn(4, 6, generator=g) * 3, torch.randn(4, 3, generator=g)) for _ in range(STEPS)]
 
 
-def _worker(model, optimizer, max_norm):
+def _worker(model, optimizer, max_norm, max_nonfinite_steps=5):
     from RL2.workers.worker import Worker, make_scheduler
 
     w = Worker.__new__(Worker)
     w.cfg = OmegaConf.create(dict(offload_optimizer=False, max_grad_norm=max_norm, warmup_ratio=0.0,
-                                  min_lr_ratio=0.0, scheduler="constant"))
+                                  min_lr_ratio=0.0, scheduler="constant",
+                                  max_nonfinite_steps=max_nonfinite_steps))
     w.device, w.model, w.optimizer = "cpu", model, optimizer
     w.scheduler = make_scheduler(optimizer, w.cfg, STEPS)
     return w
@@ -91,6 +92,42 @@ def test_no_clip_hands_no_divisor():
     want, _ = _reference(1e6)
     for got, ref in zip(model.parameters(), want):
         torch.testing.assert_close(got.detach(), ref, rtol=0, atol=0)
+
+
+def test_nonfinite_steps_are_skipped_and_a_streak_stops_the_run():
+    """A non-finite grad norm skips the step (the weights stay as they were); a finite step ends
+    the streak; max_nonfinite_steps in a row raise, naming the key, instead of a run that skips
+    every step and exits 0 (found by a hostile-input probe)."""
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05, fused=True)
+    w = _worker(model, opt, 0.5, max_nonfinite_steps=2)
+    x, y = _batches()[0]
+
+    def nan_step():
+        before = [p.detach().clone() for p in model.parameters()]
+        (_loss(model, x, y) * float("nan")).backward()
+        norm = w.step()
+        assert norm != norm  # NaN
+        for p, b in zip(model.parameters(), before):
+            assert torch.equal(p.detach(), b) and p.grad is None
+
+    nan_step()
+    _loss(model, x, y).backward()
+    w.step()  # finite: the streak starts again
+    nan_step()
+    with pytest.raises(FloatingPointError, match=r"2 optimizer steps in a row \(max_nonfinite_steps=2\)"):
+        nan_step()
+    never = _worker(_model(), torch.optim.AdamW(_model().parameters()), 0.5, max_nonfinite_steps=0)
+    for _ in range(3):
+        (_loss(never.model, x, y) * float("inf")).backward()
+        never.step()  # 0: skip forever, as before
+
+
+def test_the_default_nonfinite_limit_is_set():
+    from RL2.utils.config import load_config
+
+    cfg = load_config("ppo", ["actor.model_name=m", "data.train.path=x", "actor.rollout.env_path=x"])
+    assert cfg.actor.max_nonfinite_steps == cfg.critic.max_nonfinite_steps == 5
 
 
 def _fsdp_clip(rank, world):

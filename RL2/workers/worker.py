@@ -280,8 +280,18 @@ class Worker:
             self._move_optimizer_state(to_params=True)
             self._clipped_step(params, clip_coefficient(grad_norm, self.cfg.max_grad_norm))
             self._move_optimizer_state(to_params=False)
+            self.nonfinite_streak = 0
         else:
-            logger.warning(f"grad norm is {grad_norm}; skipping the optimizer step")
+            # the norm is global, so every rank skips (and stops) at the same step
+            self.nonfinite_streak = getattr(self, "nonfinite_streak", 0) + 1
+            limit = self.cfg.get("max_nonfinite_steps", 0) or 0
+            logger.warning(f"grad norm is {grad_norm}; skipping the optimizer step "
+                           f"({self.nonfinite_streak} in a row)")
+            if 0 < limit <= self.nonfinite_streak:
+                raise FloatingPointError(
+                    f"the gradients were non-finite (grad norm {grad_norm}) in {self.nonfinite_streak} "
+                    f"optimizer steps in a row (max_nonfinite_steps={limit}): the run has diverged "
+                    "or its data makes the loss non-finite; stopping (the last checkpoint is intact)")
         self.optimizer.zero_grad(set_to_none=True)
         host_comm.trim(self.model)  # no pooled FSDP buffers between steps (rollouts, syncs)
         self.scheduler.step()

@@ -153,6 +153,23 @@ def test_sft_bad_rows(tok, row, key):
         assert f"{SRC} row 7" in str(e.value) and f"'{key}'" in str(e.value), str(e.value)
 
 
+@pytest.mark.parametrize("role,hint", [("asistant", ""), ("human", "ShareGPT"), ("gpt", "ShareGPT")])
+def test_unknown_chat_roles_are_errors(tok, role, hint):
+    """Templates render any role verbatim: a typo'd assistant turn became untrained context in
+    silence (found by a hostile-input probe). SFT, pairs and PPO prompts share the check."""
+    msgs = [{"role": "user", "content": "q"}, {"role": role, "content": "a"},
+            {"role": "user", "content": "q2"}, {"role": "assistant", "content": "b"}]
+    calls = [lambda: tokenize_sft({"messages": msgs}, tok, row_index=3, source=SRC),
+             lambda: tokenize_pair({"messages": msgs[:3], "chosen": "x", "rejected": "y"}, tok, for_reward_model=False,
+                                   row_index=3, source=SRC),
+             lambda: tokenize_prompt({"messages": msgs[:3]}, tok, row_index=3, source=SRC)]
+    for call in calls:
+        with pytest.raises(DataError, match=rf"{SRC} row 3: key 'messages' message 1 has role '{role}'.*{hint}"):
+            call()
+    for ok in ("system", "tool", "developer"):  # roles templates know still pass
+        tokenize_prompt({"messages": [{"role": ok, "content": "s"}, {"role": "user", "content": "u"}]}, tok)
+
+
 def test_pair_reward_model(tok):
     row = {"prompt": "What is 2 plus 3?", "chosen": "The answer is 5.", "rejected": "no idea 7"}
     c, r = tokenize_pair(row, tok, for_reward_model=True)

@@ -47,6 +47,12 @@ def _has(row, key) -> bool:
     return bool(key) and hasattr(row, "get") and row.get(key) is not None
 
 
+# The roles chat templates render (HF's chat-template docs; "developer": gpt-oss / OpenAI,
+# "ipython": Llama 3.1 tool output, "function": older OpenAI-style tools). Most templates print any
+# other role verbatim, so a typo ("asistant") would become an untrained context turn in silence.
+CHAT_ROLES = ("system", "user", "assistant", "tool", "developer", "ipython", "function")
+
+
 def _as_messages(value, role, key, where) -> list[dict]:
     """A str becomes one `role` message; a list must already be {role, content} messages."""
     if isinstance(value, str):
@@ -58,6 +64,10 @@ def _as_messages(value, role, key, where) -> list[dict]:
             ok = hasattr(m, "get") and all(isinstance(m.get(f), str) for f in ("role", "content"))
             if not ok:
                 raise DataError(f"{where}: key '{key}' message {j} needs string 'role' and 'content'")
+            if m["role"] not in CHAT_ROLES:
+                hint = " (ShareGPT's human/gpt are user/assistant)" if m["role"] in ("human", "gpt") else ""
+                raise DataError(f"{where}: key '{key}' message {j} has role {m['role']!r}: use one of "
+                                f"{', '.join(CHAT_ROLES)}{hint}")
         return [dict(m) for m in value]
     raise DataError(f"{where}: key '{key}' must be a non-empty string or list of messages")
 

@@ -335,14 +335,13 @@ def test_a_prompt_with_no_room_to_generate_stops_the_run_at_start_up():
     """actor.rollout.max_length below a prompt's length truncated every trajectory of the row at
     once: a run of such rows exited 0 having trained on nothing (found by a hostile-input probe).
     Now the row is named while the data loads (skip_bad_rows skips it: a DataError)."""
-    from RL2.data.formats import DataError
+    from RL2.data.formats import DataError, tokenize_prompt
     from RL2.tools.make_assets import build_tokenizer
-    from RL2.trainer.ppo import fitting_prompt
 
     tok = build_tokenizer()
     row = {"prompt": "What is 3 plus 4?"}
-    n = len(fitting_prompt(row, room=10**6, tokenizer=tok)["prompt_ids"])
-    assert fitting_prompt(row, room=n, tokenizer=tok)["prompt_ids"]  # one token of room left
+    n = len(tokenize_prompt(row, tok)["prompt_ids"])
+    assert tokenize_prompt(row, tok, rollout_length=n + 1)["prompt_ids"]  # one token of room left
     with pytest.raises(DataError, match=rf"train.jsonl row 3: the prompt has {n} tokens, leaving no "
                                         rf"room to generate in actor.rollout.max_length={n}"):
-        fitting_prompt(row, room=n - 1, tokenizer=tok, row_index=3, source="train.jsonl")
+        tokenize_prompt(row, tok, rollout_length=n, row_index=3, source="train.jsonl")

@@ -267,11 +267,13 @@ def tokenize_pair(row, tokenizer, *, for_reward_model: bool, prompt_key="prompt"
 
 def tokenize_prompt(row, tokenizer, *, prompt_key="prompt", messages_key="messages",
                     apply_chat_template=True, max_length=None, row_index=None, source=None,
-                    prompt_required=True) -> dict:
+                    prompt_required=True, rollout_length=None) -> dict:
     """One PPO row -> dict(prompt_ids, prompt_text, extra_info, data_source).
 
     With a chat template the prompt ends with the generation prompt (assistant header). A prompt
-    longer than `max_length` tokens is an error (prompts are never truncated). With
+    longer than `max_length` tokens is an error (prompts are never truncated), and so is one that
+    leaves no token to generate in `rollout_length` (actor.rollout.max_length: it would truncate
+    every trajectory of its row at once, and a run of such rows trains on nothing). With
     `prompt_required=False` a row without prompt gives prompt_ids/prompt_text None (the
     environment's `reset` supplies the first state).
     """
@@ -288,6 +290,9 @@ def tokenize_prompt(row, tokenizer, *, prompt_key="prompt", messages_key="messag
             ids = _encode(tokenizer, text, special=True)
         if max_length is not None and len(ids) > max_length:
             raise DataError(f"{where}: key '{key}' has {len(ids)} tokens > max_length={max_length}")
+        if rollout_length is not None and len(ids) >= rollout_length:
+            raise DataError(f"{where}: the prompt has {len(ids)} tokens, leaving no room to generate "
+                            f"in actor.rollout.max_length={rollout_length}")
     extra_info = row.get("extra_info") if hasattr(row, "get") else None
     if extra_info is not None and not hasattr(extra_info, "keys"):
         raise DataError(f"{where}: key 'extra_info' must be a dict, got {type(extra_info).__name__}")

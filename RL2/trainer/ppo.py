@@ -19,7 +19,7 @@ from RL2.algorithms.losses import AVG_LEVELS, KL_ESTIMATORS, POLICY_LOSSES, toke
 from RL2.algorithms.off_policy import CORRECTIONS, apply_correction
 from RL2.algorithms.on_policy import check_engine_logps
 from RL2.algorithms.ppo import actor_update, compute_advantages, critic_update, engine_kl
-from RL2.data.formats import DataError, tokenize_prompt
+from RL2.data.formats import tokenize_prompt
 from RL2.data.mixture import MixtureSampler, load_mixed_splits
 from RL2.data.packing import token_capacity
 from RL2.parallel.mesh import resolve_device
@@ -44,19 +44,6 @@ def timed(timings: dict, name: str):
     start = time.perf_counter()
     yield
     timings[f"time/{name}"] = time.perf_counter() - start
-
-
-def fitting_prompt(row, *, room: int, **kw) -> dict:
-    """`tokenize_prompt`, and a prompt must leave room to generate in a rollout sequence
-    (`room` = actor.rollout.max_length - 1): a longer one would truncate every trajectory of
-    its row at once, and a run of such rows trains on nothing."""
-    out = tokenize_prompt(row, **kw)
-    ids = out["prompt_ids"]
-    if ids is not None and len(ids) > room:
-        where = f"{kw.get('source') or '<rows>'} row {kw.get('row_index', '?')}"
-        raise DataError(f"{where}: the prompt has {len(ids)} tokens, leaving no room to generate in "
-                        f"actor.rollout.max_length={room + 1}")
-    return out
 
 
 def check_config(cfg):
@@ -191,7 +178,7 @@ class PPOTrainer(Trainer):
             raise SystemExit(f"environment error: {e}") from None
         super().__init__(cfg)
         self.env, d = env, cfg.data.train
-        tokenize = partial(fitting_prompt, room=r.max_length - 1, tokenizer=self.tokenizer,
+        tokenize = partial(tokenize_prompt, rollout_length=r.max_length, tokenizer=self.tokenizer,
                            prompt_key=d.prompt_key, messages_key=d.messages_key,
                            apply_chat_template=d.apply_chat_template, max_length=d.max_length,
                            prompt_required=not self.env.has_reset)

@@ -28,7 +28,7 @@ def _worker(model, optimizer, max_norm, max_nonfinite_steps=5):
     w.cfg = OmegaConf.create(dict(offload_optimizer=False, max_grad_norm=max_norm, warmup_ratio=0.0,
                                   min_lr_ratio=0.0, scheduler="constant",
                                   max_nonfinite_steps=max_nonfinite_steps))
-    w.device, w.model, w.optimizer = "cpu", model, optimizer
+    w.device, w.model, w.optimizer, w.nonfinite_streak = "cpu", model, optimizer, 0
     w.scheduler = make_scheduler(optimizer, w.cfg, STEPS)
     return w
 

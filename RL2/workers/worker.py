@@ -120,6 +120,7 @@ class Worker:
             self.ring_host = host_comm.shared_group(self.dims.sp_group, "ring attention")
         self.capacity = token_capacity(cfg)
         self.optimizer = self.scheduler = None
+        self.nonfinite_streak = 0  # optimizer steps skipped in a row for a non-finite grad norm
         if train:
             trainable = [p for p in self.model.parameters() if p.requires_grad]  # LoRA: adapters (+ head)
             self.optimizer = torch.optim.AdamW(
@@ -283,7 +284,7 @@ class Worker:
             self.nonfinite_streak = 0
         else:
             # the norm is global, so every rank skips (and stops) at the same step
-            self.nonfinite_streak = getattr(self, "nonfinite_streak", 0) + 1
+            self.nonfinite_streak += 1
             limit = self.cfg.get("max_nonfinite_steps", 0) or 0
             logger.warning(f"grad norm is {grad_norm}; skipping the optimizer step "
                            f"({self.nonfinite_streak} in a row)")

@@ -282,7 +282,8 @@ def test_a_server_refusing_the_weight_group_stops_the_run_at_once(assets, env_pa
         def do_GET(self):
             if self.path == "/model_info":
                 return self._answer(404, {"detail": "Not Found"})  # not SGLang: vLLM's protocol
-            self._answer(200, {"world_size": 1} if self.path == "/get_world_size" else {})
+            # /get_world_size?include_dp=false too (VLLMServerEngine checks for DP at start)
+            self._answer(200, {"world_size": 1} if self.path.startswith("/get_world_size") else {})
 
         def do_POST(self):
             self.rfile.read(int(self.headers.get("Content-Length", 0)))

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 import torch
 from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
-from RL2.rollout.vllm_transfer import open_group, unpack, layout
+from RL2.rollout.vllm_transfer import open_group, unpack, layout, worker_rank
 
 
 @dataclass
@@ -38,9 +38,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         self.group = None
 
     def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
-        # trainer = rank 0; worker ranks follow vLLM's (dp, tp*pp) order, as the NCCL backend does
-        pc = self.parallel_config
-        rank = 1 + pc.data_parallel_index * pc.world_size + pc.rank
+        rank = worker_rank(self.parallel_config, init_info.world_size)
         self.group = open_group(init_info.host, init_info.port, rank, init_info.world_size,
                                 init_info.timeout_s)
 

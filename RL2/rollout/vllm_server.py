@@ -13,7 +13,8 @@ import logging
 from RL2.rollout.engine import GenerationOutput
 from RL2.rollout.server_protocol import http_call, wait_until_up
 from RL2.rollout.vllm_engine import _VLLMBase, _finish
-from RL2.rollout.vllm_transfer import BACKEND, GlooSender, NcclSender, address_towards
+from RL2.rollout.vllm_transfer import (BACKEND, SPLIT_DP, GlooSender, NcclSender, address_towards,
+                                       split_dp_mode)
 from RL2.workers.lora import AdapterVersions
 
 logger = logging.getLogger(__name__)
@@ -49,7 +50,19 @@ class VLLMServerEngine(_VLLMBase):
         # blocking HTTP calls run here: the default executor has only cores + 4 threads
         self._pool = concurrent.futures.ThreadPoolExecutor(64, thread_name_prefix="rl2-vllm-http")
         wait_until_up(self.url, "vLLM server", connect_timeout_s, max(1.0, min(5.0, connect_timeout_s)))
-        self.n_workers = int(self._http("GET", "/get_world_size")["world_size"])
+        self.n_workers = int(self._http("GET", "/get_world_size")["world_size"])  # all DP ranks
+        self._refuse_split_dp()
+
+    def _refuse_split_dp(self) -> None:
+        """With DP > 1 behind this URL, refuse vLLM's external/hybrid LB modes at start (their
+        weight group could never fill: vllm_transfer.SPLIT_DP). Only then is /server_info read
+        (a dev route, like the RL ones; its first call collects the server's environment)."""
+        if int(self._http("GET", "/get_world_size?include_dp=false")["world_size"]) == self.n_workers:
+            return
+        pc = self._http("GET", "/server_info?config_format=json")["vllm_config"]["parallel_config"]
+        mode = split_dp_mode(pc)
+        if mode is not None:
+            raise RuntimeError(f"vLLM server {self.url}: " + SPLIT_DP.format(mode=mode))
 
     def _http(self, method: str, path: str, body=None, timeout: float | None = None, text: bool = False):
         return http_call(self.url, method, path, body, timeout or self.timeout_s, text, "vLLM server")

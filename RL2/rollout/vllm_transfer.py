@@ -45,6 +45,47 @@ def register() -> None:
             raise
 
 
+# One API server must front every DP engine: the group is per server URL (1 + its
+# /get_world_size ranks, which counts all DP ranks), and a worker's rank counts from DP rank 0.
+SPLIT_DP = ("rl2_gloo: vLLM's {mode} data-parallel mode (one API server per DP rank or per "
+            "node) is not supported: each URL's weight group would wait for DP engines another "
+            "server fronts. Serve with internal load balancing instead (one API server, "
+            "--data-parallel-size N; other nodes --headless), or, for a dense model, independent "
+            "`vllm serve` instances without --data-parallel-* flags, each listed as a server.")
+
+
+def split_dp_mode(parallel_config) -> str | None:
+    """The DP mode (vLLM 0.32's flags, vllm/config/parallel.py) in which the engines behind one
+    API server are not all the DP ranks: external or hybrid load balancing; None otherwise.
+    `parallel_config`: vLLM's ParallelConfig or its JSON form (/server_info?config_format=json)."""
+    get = parallel_config.get if isinstance(parallel_config, dict) else (
+        lambda k: getattr(parallel_config, k, False))
+    if get("data_parallel_external_lb"):
+        return "external-LB (--data-parallel-external-lb / --data-parallel-rank)"
+    if get("data_parallel_hybrid_lb"):
+        return "hybrid-LB (--data-parallel-hybrid-lb / --data-parallel-start-rank)"
+    return None
+
+
+def worker_rank(parallel_config, world_size: int) -> int:
+    """A vLLM worker's rank in the transfer group: trainer = 0, then workers in vLLM's
+    (dp, tp*pp) order, as vLLM's NCCL backend (weight_transfer/nccl_common.py
+    worker_init_process_group). data_parallel_index is the global DP rank, kept when a dense
+    model's engine resets data_parallel_rank to 0 (v1/engine/core.py run_engine_core). A mode
+    or rank the group cannot hold is an error here, not a rendezvous that waits its timeout."""
+    mode = split_dp_mode(parallel_config)
+    if mode is not None:
+        raise RuntimeError(SPLIT_DP.format(mode=mode))
+    pc = parallel_config
+    rank = 1 + pc.data_parallel_index * pc.world_size + pc.rank
+    if not 0 < rank < world_size:
+        raise RuntimeError(
+            f"rl2_gloo: worker rank {rank} (DP index {pc.data_parallel_index}, {pc.world_size} "
+            f"workers per DP rank, worker {pc.rank}) is outside the trainer's group of "
+            f"{world_size}; the trainer sizes it from this server's /get_world_size")
+    return rank
+
+
 def layout(shapes: list, dtypes: list[torch.dtype]) -> tuple[list[int], int]:
     """Byte offset of each tensor in a packed bucket, and the bucket size (same on both sides)."""
     offsets, size = [], 0

@@ -45,8 +45,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from RL2.rollout import env_workers
-from RL2.rollout.env_workers import EnvWorkerPool, WorkerError
+from RL2.rollout.env_workers import EnvWorkerPool, WorkerError, startup_bound
 
 logger = logging.getLogger(__name__)
 
@@ -106,6 +105,19 @@ async def _guarded(awaitable, name: str) -> Any:
         raise EnvError(f"{name} raised {type(e).__name__}: {e}") from None
 
 
+def _interrupt_main() -> None:
+    # a real signal (not _thread.interrupt_main) ends a blocking sleep or socket wait
+    signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+
+
+def _exit_now(message: str) -> None:
+    """The last resort of a watchdog whose interrupts went unanswered: log, flush, exit 1."""
+    logger.critical(message)
+    for handler in logging.getLogger().handlers:
+        handler.flush()
+    os._exit(1)
+
+
 class LoopWatchdog:
     """A daemon thread that notices when the event loop stops ticking for longer than
     `threshold` seconds while one of the env tasks in `tasks` is running on it, and logs which.
@@ -155,16 +167,13 @@ class LoopWatchdog:
             logger.critical("stopping the run: %s has blocked the event loop for %.0fs (async env "
                             "hooks must not block; use asyncio.to_thread)", task.get_name(), stalled)
         elif now - self.interrupted_at > self.grace:
-            logger.critical("%s still blocks the event loop; exiting", task.get_name())
-            for handler in logging.getLogger().handlers:
-                handler.flush()
-            os._exit(1)
+            _exit_now(f"{task.get_name()} still blocks the event loop; exiting")
         elif now - self.signalled_at < 1.0:
             return
         self.signalled_at = now
-        # a real signal (not _thread.interrupt_main) ends a blocking sleep; once a second, since
-        # asyncio.run's own SIGINT handler raises KeyboardInterrupt only at the second
-        signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+        # once a second, since asyncio.run's own SIGINT handler raises KeyboardInterrupt only at
+        # the second
+        _interrupt_main()
 
     def release(self, task) -> float:
         self.tasks.discard(task)
@@ -384,14 +393,11 @@ class _LoadDeadline:
         logger.critical("%s has not finished after %gs; interrupting it", self.what, self.limit)
         start = time.monotonic()
         while not self._done.is_set():
-            signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+            _interrupt_main()
             if self._done.wait(1.0):
                 return
             if time.monotonic() - start > self.grace:
-                logger.critical("%s still has not returned; exiting", self.what)
-                for handler in logging.getLogger().handlers:
-                    handler.flush()
-                os._exit(1)
+                _exit_now(f"{self.what} still has not returned; exiting")
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():
@@ -416,7 +422,7 @@ def load_env(env_path: str, env_args: dict | None = None, timeout: float | None 
     path = Path(env_path).expanduser().resolve()
     if not path.is_file():
         raise EnvError(f"env_path {env_path} does not exist (resolved to {path})")
-    limit = max(env_workers.STARTUP_TIMEOUT, timeout or 0)  # the env workers' own start-up bound
+    limit = startup_bound(timeout)  # the env workers' own start-up bound
     with _LoadDeadline(limit, f"importing env_path {env_path}"):
         module = _import_script(path)
     step = getattr(module, "step", None)

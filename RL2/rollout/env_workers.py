@@ -34,6 +34,12 @@ MAX_RESULT_BYTES = 64 * 2**20
 STARTUP_TIMEOUT = 120.0  # seconds for a new worker to import the env script and configure it
 
 
+def startup_bound(timeout: float | None) -> float:
+    """Seconds an env script's import + configure may take: a slow import (sympy) must not eat
+    the first call's timeout, nor a long env timeout be cut short by the start-up one."""
+    return max(STARTUP_TIMEOUT, timeout or 0)
+
+
 class WorkerError(RuntimeError):
     """A worker died or answered garbage (not the user code's own exception)."""
 
@@ -223,9 +229,8 @@ class EnvWorkerPool:
                               "another call timed out; its state is lost")
         i, worker = await self._acquire(uid)
         try:
-            if not worker.configured:  # import + configure(**env_args), once per worker, with
-                # its own bound: a slow import (sympy) must not eat the first call's timeout
-                async with asyncio.timeout(max(STARTUP_TIMEOUT, timeout or 0)):
+            if not worker.configured:  # import + configure(**env_args), once per worker
+                async with asyncio.timeout(startup_bound(timeout)):
                     worker.write("configure", (worker.env_args,), None)
                     answer = await worker.read()
                 if answer[0] != "ok":

@@ -164,6 +164,16 @@ def _fsdp_grads(rank, world, cpu_comm, reshard_after_forward=True):
         # gradients went straight into the shared file from the second reduce-scatter on (the
         # first one tells its group): 3 units x 2 steps - 1
         assert model._rl2_host_comms[1].in_slot == 5
+        # all-gather outputs in the gather regions from the second all-gather on (FSDP holds
+        # the last forward output until the next copy-out: the two regions take turns)
+        gather = model._rl2_host_comms[0]
+        assert gather.region.taken == _gathers(model) - 1
+        # trimmed after a step the regions stay; a second trim with no all-gather between
+        # (a frozen model, gathered once) lets them go
+        host_comm.trim(model)
+        kept = gather.region is not None
+        host_comm.trim(model)
+        assert kept and gather.region is None
     return grads, host_comm.served(model), _gathers(model) if cpu_comm == "shm" else 0
 
 
@@ -232,6 +242,50 @@ def test_weights_kept_after_forward_save_the_backward_all_gathers():
         assert (n_again, n_kept) == (12, 6)
         for name in g_again:
             assert g_kept[name] == g_again[name], name
+
+
+def _regions(rank, world):
+    from RL2.parallel.host_comm import GatherRegions
+
+    group = dist.new_group(list(range(world)))
+    regions, cpu = GatherRegions(group), torch.device("cpu")
+    a = regions.take((4, 3), torch.float32)
+    b = regions.take((12,), torch.float32)  # a still held: the other region
+    first = [a is not None and b is not None, a.data_ptr() != b.data_ptr()]
+    none = regions.take((12,), torch.float32)  # both held on every rank
+    del a
+    c = regions.take((12,), torch.float32)  # a's region is free again
+    first += [none is None, c is not None and c.data_ptr() == regions.regions[0].data_ptr()]
+    # the all-gather in a region: every rank's copy-in, one barrier, no copy
+    c.view(world, -1)[rank] = torch.arange(12 // world, dtype=torch.float32) + 100 * rank
+    regions.file.collective()
+    gathered = c.tolist()
+    del b, c
+    # rank 0 alone still holds an output: every rank is told none is free (the flags go
+    # through the file), so all take the copying path together and no barrier is missed
+    keep = [regions.take((6,), torch.float32), regions.take((6,), torch.float32)]
+    if rank != 0:
+        keep.clear()
+    alike = regions.take((6,), torch.float32) is None
+    keep.clear()
+    # a bigger unit: a new file; an output still held in the old one stays readable
+    old = regions.take((2 * world,), torch.float32)
+    old.view(world, -1)[rank] = rank + 1
+    dist.barrier(group)
+    grown = regions.take((1 << 12,), torch.float32)
+    still = old.tolist() == [float(1 + r // 2) for r in range(2 * world)]
+    return first, gathered, alike, grown is not None and still, regions.taken
+
+
+def test_gather_regions_are_handed_out_only_when_no_rank_holds_them():
+    """The all-gather output in a shared region (no copy into or out of the comm file) is
+    safe only while no rank still reads the region's last output: each take asks every rank
+    through the file and all decide alike (a rank that took the copying path alone would
+    meet the others at another barrier)."""
+    for first, gathered, alike, grown, taken in run_dist(_regions, 2, timeout=120):
+        assert first == [True, True, True, True]
+        assert gathered == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 100.0, 101.0, 102.0, 103.0, 104.0, 105.0]
+        assert alike and grown and taken == 7
 
 
 def test_reshard_after_forward_auto_keeps_weights_on_cpu_only():

@@ -288,6 +288,55 @@ def test_gather_regions_are_handed_out_only_when_no_rank_holds_them():
         assert alike and grown and taken == 7
 
 
+def _back_to_back(rank, world):
+    from RL2.parallel.host_comm import GatherRegions
+
+    regions, picks = GatherRegions(dist.new_group(list(range(world)))), []
+
+    def pick(t):
+        return None if t is None else [r.data_ptr() for r in regions.regions].index(t.data_ptr())
+    for _ in range(40):  # takes with no collective between them; each rank holds its own
+        a = regions.take((6,), torch.float32)
+        b = regions.take((6,), torch.float32)
+        picks += [pick(a), pick(b)]
+        keep = [a] if rank == 0 else [b] if rank == 1 else []
+        del a, b
+        picks.append(pick(regions.take((6,), torch.float32)))  # ranks hold different regions
+        keep.clear()
+    return picks
+
+
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
+def test_gather_regions_agree_on_every_rank_without_a_collective_between_takes(world):
+    """FSDP puts a collective between two all-gather allocations, but `take` must not rely on
+    it: with one set of flags, a rank that left the barrier first could write its next flags
+    before a slower rank had read these, and the ranks then took different regions (a review
+    saw 39 of 150 such takes disagree with 2 ranks)."""
+    picks = run_dist(_back_to_back, world, timeout=120)
+    assert all(len(set(p)) == 1 for p in zip(*picks))
+    assert picks[0][:3] == [0, 1, None]
+
+
+def _foreign_region(rank, world):
+    from RL2.parallel.host_comm import HostAllGather
+
+    gather, group, cpu = HostAllGather(), dist.new_group(list(range(world))), torch.device("cpu")
+    first = gather.allocate((2 * world,), dtype=torch.float32, device=cpu)  # group unknown: pool
+    gather(first, torch.full((2,), float(rank)), group)
+    out = gather.allocate((2 * world,), dtype=torch.float32, device=cpu)  # a region now
+    out.view(world, 2)[rank] = rank
+    gather(out, out.view(world, 2)[rank], group)
+    ok = out.tolist() == [float(r // 2) for r in range(2 * world)] and gather.region.taken == 1
+    other = gather.allocate((2 * world,), dtype=torch.float32, device=cpu)
+    with pytest.raises(RuntimeError, match="shared region that is not this call's"):
+        gather(other, torch.zeros(2), group)  # not its chunk: every rank would write it all
+    return ok
+
+
+def test_an_all_gather_into_a_region_it_was_not_given_is_refused():
+    assert run_dist(_foreign_region, 2, timeout=120) == [True, True]
+
+
 def test_reshard_after_forward_auto_keeps_weights_on_cpu_only():
     from RL2.parallel.fsdp import resolve_reshard
 

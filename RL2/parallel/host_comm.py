@@ -207,11 +207,16 @@ class GatherRegions:
     def __init__(self, group, max_bytes: int = MAX_BYTES):
         self.group, self.max_bytes = group, max_bytes
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
-        self.ctrl = -(-2 * self.world // 64) * 64  # a flag byte per rank and region, at the end
+        # two sets of a flag byte per rank and region, at the end: take n writes and reads set
+        # n % 2, which take n + 2 writes again only after every rank has left take n + 1's
+        # barrier, so after every rank has read take n's (one set: a rank that left the
+        # barrier first could write its next flags before a slower one read these)
+        self.ctrl = -(-4 * self.world // 64) * 64
         self.file: SharedFile | None = None
         self.regions: list[torch.Tensor] = []
         self._flags = None
         self.usable = True
+        self.turns = 0  # takes that reached the flags (every rank alike)
         self.taken = 0  # outputs handed out in a region (tests)
         self.used = False  # since the last `idle` call
 
@@ -233,11 +238,13 @@ class GatherRegions:
             # a storage of its own per region, so that `_held` sees only views of that region
             self.regions = [torch.frombuffer(self.file._map, dtype=torch.uint8, count=region,
                                              offset=i * region) for i in range(2)]
-            self._flags = torch.frombuffer(self.file._map, dtype=torch.uint8, count=2 * self.world,
-                                           offset=2 * region).view(self.world, 2)
-        self._flags[self.rank] = torch.tensor([not _held(r) for r in self.regions], dtype=torch.uint8)
+            self._flags = torch.frombuffer(self.file._map, dtype=torch.uint8, count=4 * self.world,
+                                           offset=2 * region).view(2, self.world, 2)
+        flags = self._flags[self.turns % 2]
+        self.turns += 1
+        flags[self.rank] = torch.tensor([not _held(r) for r in self.regions], dtype=torch.uint8)
         self.file.collective()
-        free = self._flags.all(0).tolist()
+        free = flags.all(0).tolist()
         if not any(free):
             return None
         self.taken += 1
@@ -296,6 +303,11 @@ class HostAllGather(_HostComm):
             region.file.collective()  # every rank's shard is in: the output is complete
             self.calls += 1
             return None
+        if region is not None and any(_within(output_tensor, r) for r in region.regions):
+            # a region taken for another all-gather (of another group, or out of the order
+            # FSDP keeps): every rank would write the whole unit into the same shared bytes
+            raise RuntimeError("fsdp comm: an all-gather output in a shared region that is not "
+                               "this call's (FSDP allocated in an order host_comm does not know)")
         host = self.host_group(group)
         slots = host.publish(input_tensor) if output_tensor.is_contiguous() else None
         if slots is None:

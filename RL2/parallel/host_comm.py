@@ -293,7 +293,8 @@ class HostAllGather(_HostComm):
         # decided by counts alone, which every rank shares (a rank that dropped its region
         # while another kept it would meet it at a different barrier); an output still held
         # keeps the old file's mapping alive
-        if self.region is not None and self.region.idle():
+        # (one whose file could not be made stays, so that it is not tried and warned at again)
+        if self.region is not None and self.region.usable and self.region.idle():
             self.region = None
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group,

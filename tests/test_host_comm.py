@@ -411,3 +411,26 @@ def test_growth_past_a_small_dev_shm_keeps_the_file_that_fitted(small_tmpfs):
     can (the doubling is given up first) and inputs over that size alone go to gloo."""
     for results, served, size, cap in run_dist(_growth_in_small_shm, 2, small_tmpfs):
         assert all(results) and served == 3 and size == cap == 800
+
+
+def _regions_in_small_shm(rank, world, shm_dir):
+    from RL2.parallel.host_comm import HostAllGather
+    from RL2.rollout import shm
+
+    shm.SHM_DIR = shm_dir  # a 1 MiB tmpfs: two regions of a 512 KiB unit do not fit
+    gather, group, cpu = HostAllGather(), dist.new_group(list(range(world))), torch.device("cpu")
+    results = []
+    for step in range(3):
+        out = gather.allocate((1 << 17,), dtype=torch.float32, device=cpu)
+        x = torch.full((out.numel() // world,), float(rank + step))
+        out.view(world, -1)[rank] = x
+        gather(out, out.view(world, -1)[rank], group)
+        results.append(torch.equal(out, (torch.arange(world).float() + step).repeat_interleave(x.numel())))
+        del out
+        gather.trim()
+    return results, gather.region is not None and not gather.region.usable, gather.calls
+
+
+def test_regions_without_room_in_dev_shm_fall_back_to_the_copying_path(small_tmpfs):
+    for results, kept_unusable, served in run_dist(_regions_in_small_shm, 2, small_tmpfs):
+        assert all(results) and kept_unusable and served == 3

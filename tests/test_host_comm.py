@@ -248,7 +248,7 @@ def _regions(rank, world):
     from RL2.parallel.host_comm import GatherRegions
 
     group = dist.new_group(list(range(world)))
-    regions, cpu = GatherRegions(group), torch.device("cpu")
+    regions = GatherRegions(group)
     a = regions.take((4, 3), torch.float32)
     b = regions.take((12,), torch.float32)  # a still held: the other region
     first = [a is not None and b is not None, a.data_ptr() != b.data_ptr()]

@@ -41,6 +41,7 @@ import torch.distributed as dist
 from RL2.parallel.collectives import gather_objects
 from RL2.parallel.fsdp import fsdp_units
 from RL2.rollout.shm import SharedFile
+from RL2.rollout.weight_layout import padded
 
 logger = logging.getLogger(__name__)
 
@@ -211,7 +212,7 @@ class GatherRegions:
         # n % 2, which take n + 2 writes again only after every rank has left take n + 1's
         # barrier, so after every rank has read take n's (one set: a rank that left the
         # barrier first could write its next flags before a slower one read these)
-        self.ctrl = -(-4 * self.world // 64) * 64
+        self.ctrl = padded(4 * self.world)
         self.file: SharedFile | None = None
         self.regions: list[torch.Tensor] = []
         self._flags = None
@@ -222,7 +223,7 @@ class GatherRegions:
 
     def take(self, size: tuple, dtype: torch.dtype) -> torch.Tensor | None:
         nbytes = math.prod(size) * dtype.itemsize
-        region = -(-nbytes // 64) * 64
+        region = padded(nbytes)
         if not self.usable or 2 * region + self.ctrl > self.max_bytes:
             return None  # the same sizes on every rank: every rank returns here alike
         if self.file is None or self.file.size < 2 * region + self.ctrl:
@@ -290,10 +291,10 @@ class HostAllGather(_HostComm):
 
     def trim(self) -> None:
         super().trim()
-        # decided by counts alone, which every rank shares (a rank that dropped its region
-        # while another kept it would meet it at a different barrier); an output still held
-        # keeps the old file's mapping alive
-        # (one whose file could not be made stays, so that it is not tried and warned at again)
+        # decided by counts alone, which every rank shares (a rank that dropped its regions
+        # while another kept them would meet it at a different barrier); an output still held
+        # keeps the old file's mapping alive. Regions whose file could not be made stay, so
+        # that it is not tried (and warned about) again every step.
         if self.region is not None and self.region.usable and self.region.idle():
             self.region = None
 
